@@ -1,0 +1,1 @@
+"""Fused Pallas kernels for full-vocabulary distillation losses (importable without opd_jax)."""
