@@ -1,0 +1,185 @@
+"""Meshes and logical-axis sharding: the only module that names mesh axes.
+
+Models and configs speak in *logical* axes (`batch, seq, embed, mlp, heads, kv, head_dim,
+vocab, ...`). A rule table (data in the config) maps each logical axis to zero or more mesh
+axes (`data, fsdp, tensor`). Parameters carry their logical names in NNX metadata
+(`sharding_names=`, stored as `out_sharding`) and are created with `eager_sharding=False`,
+so a model is mesh-agnostic until `shard_model` / `init_sharded` places it.
+
+Example::
+
+    mesh = make_mesh((2, 4, 1))                     # data=2, fsdp=4, tensor=1
+    model = init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
+    batch = shard_batch({"tokens": tokens_BxT}, mesh)
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical axis -> mesh axes. Parameters: fully-sharded over fsdp, Megatron-style over tensor.
+# Activations: batch over (data, fsdp). A rule maps to a mesh axis name, a tuple of names, or None.
+DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("vocab", "tensor"),
+    ("norm", None),
+    ("layers", None),
+)
+
+Rules = Sequence[tuple[str, Any]]
+
+
+def make_mesh(shape: Sequence[int] = (-1, 1, 1), axis_names: Sequence[str] = MESH_AXES,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh over `devices` (default: all). One entry of `shape` may be -1 ("the rest").
+
+    Axes are `Auto` (classic jit-with-shardings semantics), not the Explicit default of
+    `jax.make_mesh` in this JAX version.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = list(shape)
+    if len(shape) != len(axis_names):
+        raise ValueError(f"mesh shape {tuple(shape)} has {len(shape)} axes, expected "
+                         f"{len(axis_names)} for axis names {tuple(axis_names)}")
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh shape {tuple(shape)}: at most one axis may be -1")
+    if any(s == 0 or s < -1 for s in shape):
+        raise ValueError(f"mesh shape {tuple(shape)}: sizes must be positive or -1")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if len(devices) % known:
+            raise ValueError(f"mesh shape {tuple(shape)}: {len(devices)} devices are not "
+                             f"divisible by {known}")
+        shape[shape.index(-1)] = len(devices) // known
+    if math.prod(shape) != len(devices):
+        raise ValueError(f"mesh shape {tuple(shape)} needs {math.prod(shape)} devices, "
+                         f"have {len(devices)}")
+    return jax.make_mesh(tuple(shape), tuple(axis_names),
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+                         devices=devices)
+
+
+def logical_to_spec(logical: Sequence[str | None] | None, rules: Rules = DEFAULT_RULES,
+                    mesh: Mesh | None = None) -> P:
+    """Map logical axis names to a PartitionSpec. A mesh axis is used at most once.
+
+    Mesh axes of size 1, or absent from `mesh`, are dropped so specs stay minimal.
+    """
+    if logical is None:
+        return P()
+    table = dict(rules)
+    used: set[str] = set()
+    out = []
+    for name in logical:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise KeyError(f"logical axis {name!r} has no sharding rule; known: {sorted(table)}")
+        target = table[name]
+        axes = () if target is None else (target,) if isinstance(target, str) else tuple(target)
+        keep = tuple(a for a in axes if a not in used
+                     and (mesh is None or (a in mesh.shape and mesh.shape[a] > 1)))
+        used.update(keep)
+        out.append(None if not keep else keep[0] if len(keep) == 1 else keep)
+    return P(*out)
+
+
+def _divisible_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
+    """Drop mesh axes that do not divide the dimension (e.g. 2 kv heads on tensor=4)."""
+    out = []
+    for dim, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        keep, size = [], 1
+        for a in axes:
+            if dim % (size * mesh.shape[a]) == 0:
+                keep.append(a)
+                size *= mesh.shape[a]
+        out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+    return P(*out)
+
+
+def named_sharding(logical: Sequence[str | None] | None, shape: Sequence[int], mesh: Mesh,
+                   rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    """NamedSharding for an array of `shape` with logical axes `logical`."""
+    return NamedSharding(mesh, _divisible_spec(logical_to_spec(logical, rules, mesh), shape, mesh))
+
+
+def _logical_names(variable: nnx.Variable) -> tuple | None:
+    meta = variable.get_metadata()
+    return meta.get("out_sharding") or meta.get("sharding_names") or meta.get("sharding")
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """A pytree like `state` (an nnx.State, possibly abstract) of NamedShardings.
+
+    Variables without logical names (scalars, RNG counters) are replicated.
+    """
+    def one(v):
+        if isinstance(v, nnx.Variable):
+            value = v.get_value() if hasattr(v, "get_value") else v.value
+            return v.replace(named_sharding(_logical_names(v), np.shape(value), mesh, rules))
+        return NamedSharding(mesh, P())
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def init_sharded(create: Callable[[], nnx.Module], mesh: Mesh,
+                 rules: Rules = DEFAULT_RULES) -> nnx.Module:
+    """Build a module directly into its shardings (no full copy on one device)."""
+    abstract = nnx.eval_shape(create)
+    graphdef, abs_state = nnx.split(abstract)
+    shardings = state_shardings(abs_state, mesh, rules)
+
+    with jax.set_mesh(mesh):
+        state = jax.jit(lambda: nnx.state(create()), out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
+    """Place an existing module's variables on `mesh` by their logical names (in place)."""
+    state = nnx.state(model)
+    nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+    return model
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> NamedSharding:
+    """Sharding for a [B, ...] batch array: B over the `batch` rule, the rest replicated."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))
+
+
+def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+    """device_put every [B, ...] leaf of `batch` with its batch sharding.
+
+    Raises if B does not divide over the batch mesh axes.
+    """
+    def put(x):
+        x = np.asarray(x) if not isinstance(x, jax.Array) else x
+        s = batch_sharding(mesh, x.ndim, rules)
+        n = math.prod(mesh.shape[a] for a in _axes(s.spec[0])) if x.ndim else 1
+        if x.ndim and x.shape[0] % n:
+            raise ValueError(f"batch dimension {x.shape[0]} is not divisible by the {n} "
+                             f"devices of mesh axes {_axes(s.spec[0])}")
+        return jax.device_put(x, s if x.ndim else NamedSharding(mesh, P()))
+    return jax.tree.map(put, batch)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def _axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
