@@ -52,6 +52,7 @@ class SandboxResult:
     timed_out: bool
     reason: str | None
     wall_s: float
+    pid: int = -1  # also the process-group id; gone once run_python returns
 
     @property
     def ok(self) -> bool:
@@ -145,7 +146,7 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 2.0, memory_mb:
         stdout = _read_capped(out_path, max_output_bytes)
         stderr = _read_capped(err_path, max_output_bytes)
         return SandboxResult(rc, stdout, stderr, timed_out, _reason(rc, stderr, timed_out),
-                             wall)
+                             wall, proc.pid)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
