@@ -125,15 +125,17 @@ def _prepare(task: Task, response: str):
 def _grade(task: Task, parsed, code: str, res, mark: str) -> RewardResult:
     tests = task.reference["tests"]
     line = next((ln for ln in reversed(res.stdout.splitlines()) if ln.startswith(mark)), None)
-    passed, err = 0, res.reason
+    passed, err, test_errors = 0, res.reason, []
     if line is not None:
         outs = json.loads(line[len(mark):])
         passed = sum(o[0] == "ok" and o[1] == want for o, (_, want) in zip(outs, tests))
+        test_errors = sorted({o[1] for o in outs if o[0] == "err"})
     elif err is None:
         err = (res.stderr.strip().splitlines() or ["no output"])[-1][:120]
     frac = passed / len(tests)
     s, details = parsing.verified_reward(parsed, frac, effort_spec(task), passed=passed,
-                                         n_tests=len(tests), sandbox=err, code=code[:120])
+                                         n_tests=len(tests), sandbox=err, test_errors=test_errors,
+                                         code=code[:120])
     return RewardResult(s, details)
 
 
