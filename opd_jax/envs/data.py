@@ -46,7 +46,9 @@ class TaskSource:
         if isinstance(effort, str) and effort not in DEFAULT_EFFORTS:
             raise ValueError(f"effort={effort!r}: expected one of {tuple(DEFAULT_EFFORTS)} or "
                              f"an EffortSpec")
-        self.family, self.size, self.seed, self.difficulty = fam, size, seed, difficulty
+        # The name, not the object: sources must pickle for grain workers (a worker
+        # imports the module that registers a custom family before reading).
+        self.family, self.size, self.seed, self.difficulty = fam.name, size, seed, difficulty
         self.effort = effort
 
     def __len__(self) -> int:
@@ -57,7 +59,7 @@ class TaskSource:
         if not -self.size <= index < self.size:
             raise IndexError(f"index {index} out of range for TaskSource of size {self.size}")
         index %= self.size
-        fam = self.family
+        fam = get_family(self.family)
         prompt, ref = fam.generate(task_rng(fam.name, self.seed, self.difficulty, index),
                                    self.difficulty)
         meta = {"difficulty": self.difficulty, "seed": self.seed, "index": index}
@@ -75,7 +77,7 @@ class TaskSource:
 
     def __repr__(self) -> str:  # grain uses it to check a checkpoint matches the source
         eff = self.effort if isinstance(self.effort, str) else repr(self.effort)
-        return (f"TaskSource(family={self.family.name!r}, size={self.size}, "
+        return (f"TaskSource(family={self.family!r}, size={self.size}, "
                 f"seed={self.seed}, difficulty={self.difficulty}, effort={eff!r})")
 
 

@@ -42,7 +42,8 @@ def test_correct_episode_scores_one_and_observations_carry_tool_results():
     (n1, v1), (n2, v2) = t.reference["table"].items()
     r1 = env.step(f"<think>need {n1}</think><tool_call>lookup {n1}</tool_call>")
     assert (r1.observation, r1.done, r1.reward) == (f"<|tool|>{v1}<|assistant|>", False, 0.0)
-    assert env.step(f"<tool_call>lookup {n2}</tool_call>").observation == f"<|tool|>{v2}<|assistant|>"
+    r2 = env.step(f"<tool_call>lookup {n2}</tool_call>")
+    assert r2.observation == f"<|tool|>{v2}<|assistant|>"
     final = env.step(f"<think>{v1}+{v2}</think>{v1 + v2}")
     assert final.done and final.info["correct"] == 1.0
     assert final.reward == pytest.approx(1 - 0.2 * final.info["think_tokens"] / 64)

@@ -1,5 +1,6 @@
 """Task protocol, prompt rendering, registries, grain sources and JSONL round trips."""
 import json
+import pickle
 import subprocess
 import sys
 
@@ -95,6 +96,7 @@ def test_task_source_works_as_grain_source_and_is_deterministic():
     assert first == [again[i].id for i in range(8)]
     assert sorted(t.id for b in ds for t in b) == sorted(t.id for t in src)
     assert "seed=3" in repr(src)
+    assert pickle.loads(pickle.dumps(src))[5] == src[5]  # grain workers get a pickled copy
     with pytest.raises(IndexError):
         src[40]
 
