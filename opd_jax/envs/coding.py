@@ -39,14 +39,15 @@ def _wrap(p: str) -> str:
     return p if re.fullmatch(r"\w+", p) else f"({p})"
 
 
-def _chain(rng, n: int, var: str) -> tuple[list[str], str]:
-    words, code = [], var
+def _chain(rng, n: int, var: str) -> tuple[list[str], list[str]]:
+    """n integer steps on `var`: their descriptions and the code after each step."""
+    words, codes = [], []
     for _ in range(n):
         desc, tmpl, kr = rng.choice(INT_OPS)
         k = rng.randint(*kr) if kr else 0
         words.append(desc.format(k=k))
-        code = tmpl.format(p=_wrap(code), k=k)
-    return words, code
+        codes.append(tmpl.format(p=_wrap(codes[-1] if codes else var), k=k))
+    return words, codes
 
 
 def _eval_ref(code: str, x):
@@ -59,11 +60,13 @@ def gen_code_expr(rng, difficulty: int) -> tuple[str, dict]:
     if not 1 <= difficulty <= 5:
         raise ValueError(f"code_expr: difficulty={difficulty!r}, expected 1..5")
     if difficulty <= 3:
-        words, code = _chain(rng, difficulty, "x")
+        words, partials = _chain(rng, difficulty, "x")
+        code = partials[-1]
         spec = "Python expr in x: " + ", then ".join(words)
         inputs = [rng.randint(-20, 20) for _ in range(N_TESTS + 1)]
     else:
-        words, item = _chain(rng, 1, "v")
+        words, partials = _chain(rng, 1, "v")
+        item = partials[-1]
         rdesc, rtmpl = rng.choice(REDUCERS)
         cond = ""
         if difficulty == 5:
@@ -77,12 +80,14 @@ def gen_code_expr(rng, difficulty: int) -> tuple[str, dict]:
         if rtmpl.startswith(("sum", "max", "min")):
             code = rtmpl.format(g=f"[{item} for v in x{cond}]")
         spec = "Python expr in list x: " + ", then ".join(words + [rdesc])
+        partials.append(code)
         inputs = [[rng.randint(-9, 9) for _ in range(rng.randint(0, 5))]
                   for _ in range(N_TESTS + 1)]
     ex_in, *hidden = inputs
     prompt = f"{spec}. f({json.dumps(ex_in, separators=(',', ':'))})={_eval_ref(code, ex_in)}"
     tests = [[x, _eval_ref(code, x)] for x in hidden]
-    return prompt, {"solution": code, "tests": tests, "steps": words}
+    # steps: the program as it grows, one operation at a time (the demo's thinking).
+    return prompt, {"solution": code, "tests": tests, "steps": partials[:-1]}
 
 
 HARNESS = '''import json, sys
@@ -168,7 +173,7 @@ def code_reward(task: Task, response: str) -> RewardResult:
 
 
 def code_demo(task: Task) -> str:
-    think = ", then ".join(task.reference.get("steps", []))
+    think = ";".join(task.reference.get("steps", []))
     sol = task.reference["solution"]
     if think and parsing.count_tokens(think) <= effort_spec(task).think_budget:
         return f"{parsing.THINK_OPEN}{think}{parsing.THINK_CLOSE}{sol}"

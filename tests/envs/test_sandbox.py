@@ -124,3 +124,16 @@ def test_run_many_parallel_keeps_order_and_isolates_failures():
     assert rs[6].timed_out and all(_gone(r) for r in rs)
     with pytest.raises(ValueError, match="stdins"):
         run_many(["print(1)"], stdins=["a", "b"])
+
+
+@pytest.mark.slow
+def test_many_parallel_runaways_all_end_and_leave_nothing():
+    bad = ["while True: pass", "import os\nwhile True: os.fork()", "x = bytearray(10**10)",
+           "while True: print('x' * 1000)", "print(open('/etc/shadow').read())"]
+    codes = [bad[i % len(bad)] if i % 2 else f"print({i})" for i in range(40)]
+    t0 = time.monotonic()
+    rs = run_many(codes, timeout_s=1.0, max_workers=8)
+    assert time.monotonic() - t0 < 60
+    assert all(r.ok == (i % 2 == 0) for i, r in enumerate(rs))
+    assert [r.stdout for r in rs[::2]] == [f"{i}\n" for i in range(0, 40, 2)]
+    assert all(_gone(r) for r in rs)
