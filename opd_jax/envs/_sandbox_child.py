@@ -135,6 +135,9 @@ def main():
         for name in [m for m in sys.modules if m.split(".")[0] in BLOCKED_IMPORTS]:
             del sys.modules[name]
         sys.addaudithook(_make_hook(workdir, read_roots))
+    # Tell the parent the lock-down is done: its wall clock for user code starts now.
+    os.write(cfg["ready_fd"], b"R")
+    os.close(cfg["ready_fd"])
     user_main = types.ModuleType("__main__")
     user_main.__file__ = src_path
     sys.modules["__main__"] = user_main  # hide this module (and its helpers) from user code

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -101,12 +102,14 @@ def _kill_group(pgid: int) -> None:
 
 def run_python(code: str, *, stdin: str = "", timeout_s: float = 2.0, memory_mb: int = 256,
                max_output_bytes: int = 1 << 20, network_namespace: bool = True,
-               audit: bool = True) -> SandboxResult:
+               audit: bool = True, startup_timeout_s: float = 10.0) -> SandboxResult:
     """Run `code` as __main__ in a sandboxed `python -I -S`; see the module docstring.
 
-    `timeout_s` is wall-clock and includes interpreter start (~30 ms); CPU time is capped at
-    ceil(timeout_s) s. `audit=False` turns off the audit hook (tests use it to show that the
-    rlimits/uid alone still stop a fork bomb); leave it on otherwise.
+    `timeout_s` is the wall-clock limit for the user's code, counted from the moment the
+    sandbox is locked down (interpreter start, ~0.1 s, has `startup_timeout_s` of its own,
+    so a busy machine does not fail fast programs); CPU time is capped at
+    ceil(timeout_s) + 1 s. `audit=False` turns off the audit hook (tests use it to show that
+    the rlimits/uid alone still stop a fork bomb); leave it on otherwise.
     """
     if not isinstance(code, str):
         raise TypeError(f"code must be str, got {type(code).__name__}")
@@ -124,17 +127,35 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 2.0, memory_mb:
                 open(p, "w").close()
             for p in (workdir, out_path, err_path):
                 os.chown(p, NOBODY, NOBODY)
-        cfg = {"cpu_s": int(math.ceil(timeout_s)), "memory_mb": memory_mb,
-               "max_output_bytes": max_output_bytes, "net": network_namespace, "audit": audit}
+        ready_r, ready_w = os.pipe()
+        # CPU: the user's seconds plus the interpreter start (which runs before the limit
+        # applies only in part); the wall clock below is the tight limit.
+        cfg = {"cpu_s": int(math.ceil(timeout_s)) + 1, "memory_mb": memory_mb,
+               "max_output_bytes": max_output_bytes, "net": network_namespace,
+               "audit": audit, "ready_fd": ready_w}
         cmd = [sys.executable, "-I", "-S", "-B", _CHILD, workdir, json.dumps(cfg)]
         t0 = time.monotonic()
         with open(in_path, "rb") as fin, open(out_path, "wb") as fout, \
                 open(err_path, "wb") as ferr:
-            proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr, cwd=workdir,
-                                    env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                                    start_new_session=True, close_fds=True)
+            try:
+                proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr,
+                                        cwd=workdir, pass_fds=(ready_w,),
+                                        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                                        start_new_session=True, close_fds=True)
+            except BaseException:
+                os.close(ready_r)
+                raise
+            finally:
+                os.close(ready_w)
             timed_out = False
             try:
+                # Start-up (imports, lock-down) gets its own generous limit, so a loaded
+                # machine does not eat the program's time; EOF means it exited early.
+                poll = select.poll()  # not select(): fds above 1024 are common in trainers
+                poll.register(ready_r, select.POLLIN | select.POLLHUP)
+                if not poll.poll(startup_timeout_s * 1000):
+                    raise subprocess.TimeoutExpired(cmd, startup_timeout_s)
+                os.read(ready_r, 1)
                 rc = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 timed_out = True
@@ -144,6 +165,7 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 2.0, memory_mb:
                 # Strays (none expected: forks are blocked) die with the group, also when
                 # the caller is interrupted mid-wait.
                 _kill_group(proc.pid)
+                os.close(ready_r)
         wall = time.monotonic() - t0
         stdout = _read_capped(out_path, max_output_bytes)
         stderr = _read_capped(err_path, max_output_bytes)
