@@ -83,6 +83,9 @@ class Task:
                              f"{type(self.reference).__name__}")
         effort_spec(self)  # unknown effort fails here, not at scoring time
 
+    def __hash__(self):  # the dict fields are unhashable; equal tasks share these
+        return hash((self.id, self.family, self.effort, self.prompt))
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

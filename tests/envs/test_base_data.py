@@ -119,6 +119,7 @@ def test_jsonl_round_trip_keeps_cell_overrides(tmp_path):
     assert save_jsonl(tasks, path) == 5
     back = load_jsonl(path)
     assert back == tasks and back[0].meta["effort_spec"]["think_budget"] == 32
+    assert len(set(back + tasks)) == 5  # hashable, and equal tasks hash equal
     assert len(JsonlSource(path)) == 5 and JsonlSource(path)[2] == tasks[2]
 
 

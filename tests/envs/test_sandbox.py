@@ -1,6 +1,7 @@
 """Sandbox: normal runs, and every runaway the issue names stops fast, scores nothing, and
 leaves no process behind."""
 import os
+import subprocess
 import time
 
 import pytest
@@ -103,6 +104,18 @@ def test_output_is_capped():
 def test_network_and_ctypes_are_blocked(code):
     r = run_python(code)
     assert not r.ok and r.reason.startswith("violation"), (r.reason, r.stderr[-200:])
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="uid drop and netns need root")
+def test_runs_as_nobody_in_a_private_network_namespace():
+    probe = "import os; print(os.getuid(), os.getgid(), os.readlink('/proc/self/ns/net'))"
+    uid, gid, net = run_python(probe).stdout.split()
+    assert (uid, gid) == ("65534", "65534")
+    shared = run_python(probe, network_namespace=False).stdout.split()[2]
+    assert shared == os.readlink("/proc/self/ns/net")
+    unshare_ok = subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0
+    if unshare_ok:
+        assert net != shared
 
 
 def test_bad_arguments_raise_before_running():
