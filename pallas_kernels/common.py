@@ -153,8 +153,9 @@ def grad_tile(s_BxC, t_BxC, hit_BxC, lse_s_B, lse_t_B, kl_B, dkl_B, dlp_B, *, mo
     kl:       g_v = dKL p_v (log p_v - log q_v - KL)
     logratio: g_v = dlp (1[v = y] - p_v)
     Masked columns carry MASK_VALUE logits, so p_v = 0 there and g_v = 0.
+    Row statistics may come as [B] or as [B, 1] (TPU layout).
     """
-    col = lambda x: x[:, None]
+    col = lambda x: x if x.ndim == 2 else x[:, None]
     logp_s = s_BxC - col(lse_s_B)
     p = jnp.exp(logp_s)
     if mode == "kl":
