@@ -44,7 +44,8 @@ def _stats_kernel(h_s_ref, w_s_ref, h_t_ref, w_t_ref, y_ref, lse_s_ref, lse_t_re
     valid_1xV = col_1xV < vocab
     s = common.mask_logits(_tile(h_s_ref, w_s_ref, inv_temp), valid_1xV)
     t = common.mask_logits(_tile(h_t_ref, w_t_ref, inv_temp), valid_1xV)
-    new = common.update_stats(tuple(ref[...] for ref in scratch), s, t, col_1xV == y_ref[...])
+    hit = (col_1xV == y_ref[...]) & valid_1xV  # a target of another vocab shard may hit padding
+    new = common.update_stats(tuple(ref[...] for ref in scratch), s, t, hit)
     for ref, value in zip(scratch, new):
         ref[...] = value
 

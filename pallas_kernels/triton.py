@@ -53,7 +53,7 @@ def _stats_kernel(h_s_ref, w_s_ref, h_t_ref, w_t_ref, y_ref, lse_s_ref, lse_t_re
         valid_1xV = (col_V < vocab)[None, :]
         s = common.mask_logits(_logit_tile(h_s_ref, w_s_ref, col0, block_v, block_d, inv_temp), valid_1xV)
         t = common.mask_logits(_logit_tile(h_t_ref, w_t_ref, col0, block_v, block_d, inv_temp), valid_1xV)
-        return common.update_stats(carry, s, t, col_V[None, :] == y_B[:, None])
+        return common.update_stats(carry, s, t, (col_V[None, :] == y_B[:, None]) & valid_1xV)
 
     out = common.finalize_stats(lax.fori_loop(0, num_tiles, body, common.init_stats(y_B.shape)))
     for ref, value in zip((lse_s_ref, lse_t_ref, ekl_ref, s_y_ref, t_y_ref), out):
