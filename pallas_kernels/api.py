@@ -37,7 +37,7 @@ def _apply_mask(mask_N, h_s_NxD, h_t_NxE, y_N):
         return h_s_NxD, h_t_NxE, y_N
     keep_Nx1 = mask_N.astype(bool)[:, None]
     return (jnp.where(keep_Nx1, h_s_NxD, 0), jnp.where(keep_Nx1, h_t_NxE, 0),
-            jnp.where(mask_N.astype(bool), y_N, 0))
+            None if y_N is None else jnp.where(mask_N.astype(bool), y_N, 0))
 
 
 def fused_reverse_kl(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, *, mask_N=None, temperature: float = 1.0,
