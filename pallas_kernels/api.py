@@ -1,0 +1,97 @@
+"""Public ops: fused full-vocabulary reverse KL and fused clipped log-ratio.
+
+Legend: N tokens, D student hidden, E teacher hidden, V vocab.
+
+Both take last-layer hidden states and unembedding matrices; no [N, V] array is built
+except by implementation="reference" (the specification).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common, driver, reference
+
+
+def _config(implementation, mode, temperature, block_n, block_v, block_d, chunk_v, interpret):
+    cfg = common.Config(implementation=common.resolve_implementation(implementation), mode=mode,
+                        temperature=float(temperature) if isinstance(temperature, (int, float)) else temperature,
+                        block_n=block_n, block_v=block_v, block_d=block_d, chunk_v=chunk_v,
+                        interpret=interpret)
+    common.check_config(cfg)
+    return cfg
+
+
+def _fused(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg, mesh, vocab_axis, token_axis):
+    """Single-device driver, or the vocab-parallel one when a mesh is given."""
+    if mesh is None:
+        return driver.fused(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg)
+    from pallas_kernels import sharded
+    layout = sharded.Layout(mesh, vocab_axis, token_axis)
+    return sharded.fused_sharded(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg, layout)
+
+
+def _apply_mask(mask_N, h_s_NxD, h_t_NxE, y_N):
+    """Masked tokens get zero hidden states (finite, uniform) and target 0; outputs zeroed later."""
+    if mask_N is None:
+        return h_s_NxD, h_t_NxE, y_N
+    keep_Nx1 = mask_N.astype(bool)[:, None]
+    return (jnp.where(keep_Nx1, h_s_NxD, 0), jnp.where(keep_Nx1, h_t_NxE, 0),
+            None if y_N is None else jnp.where(mask_N.astype(bool), y_N, 0))
+
+
+def fused_reverse_kl(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, *, mask_N=None, temperature: float = 1.0,
+                     implementation: str = "auto", block_n: int = 64, block_v: int = 128,
+                     block_d: int = 128, chunk_v: int = 8192, interpret: bool | None = None,
+                     mesh=None, vocab_axis: str = "tensor", token_axis=None):
+    """Per-token reverse KL(p_s || p_t) in fp32, p = softmax(h W / temperature), STUDENT FIRST.
+
+    KL_n = sum_v p_s,nv (log p_s,nv - log p_t,nv). Differentiable in h_s and w_s; the
+    teacher (h_t, w_t) gets no gradient. Masked tokens (mask_N == 0) give 0 and no gradient.
+    With `mesh`, W is vocab-parallel: sharded over V on `vocab_axis` (tokens optionally on
+    `token_axis`), per-shard (max, sum, acc) combined with pmax/psum; same result.
+
+    >>> kl_N = fused_reverse_kl(h_s, w_s, h_t, w_t, temperature=1.0)  # [N] fp32
+    >>> loss = jnp.sum(kl_N * mask_N) / jnp.sum(mask_N)
+    """
+    n, _ = common.check_inputs(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, None, mask_N)
+    cfg = _config(implementation, "kl", temperature, block_n, block_v, block_d, chunk_v, interpret)
+    h_s_NxD, h_t_NxE, _ = _apply_mask(mask_N, h_s_NxD, h_t_NxE, None)
+    if cfg.implementation == "reference":
+        kl_N = reference.reverse_kl_reference(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, temperature=cfg.temperature)
+    else:
+        y_N = jnp.zeros((n,), jnp.int32)
+        kl_N = _fused(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg, mesh, vocab_axis, token_axis)[0]
+    return kl_N if mask_N is None else jnp.where(mask_N.astype(bool), kl_N, 0.0)
+
+
+def fused_clipped_log_ratio(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, targets_N, *, r_max: float,
+                            mask_N=None, temperature: float = 1.0, implementation: str = "auto",
+                            block_n: int = 64, block_v: int = 128, block_d: int = 128,
+                            chunk_v: int = 8192, interpret: bool | None = None,
+                            mesh=None, vocab_axis: str = "tensor", token_axis=None):
+    """(logp_s(y), logp_t(y), r) per token, r = clip(sg(logp_t - logp_s), -r_max, r_max).
+
+    Gradient flows only through logp_s (d logp_s / d s_v = 1[v = y] - p_v); logp_t and r
+    carry none. Masked tokens give zeros. Targets must lie in [0, V) where unmasked.
+    `mesh`/`vocab_axis`/`token_axis`: vocab-parallel, as in fused_reverse_kl.
+
+    >>> lp_s, lp_t, r = fused_clipped_log_ratio(h_s, w_s, h_t, w_t, y, r_max=5.0)
+    >>> loss = -jnp.mean(r * lp_s)   # Kimi MOPD dense advantage
+    """
+    n, _ = common.check_inputs(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, targets_N, mask_N)
+    if not (isinstance(r_max, (int, float)) and r_max > 0):
+        raise ValueError(f"r_max={r_max!r}; expected a float > 0")
+    cfg = _config(implementation, "logratio", temperature, block_n, block_v, block_d, chunk_v, interpret)
+    h_s_NxD, h_t_NxE, y_N = _apply_mask(mask_N, h_s_NxD, h_t_NxE, targets_N.astype(jnp.int32))
+    if cfg.implementation == "reference":
+        lp_s, lp_t, r = reference.clipped_log_ratio_reference(
+            h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, r_max=r_max, temperature=cfg.temperature)
+    else:
+        _, lp_s, lp_t = _fused(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg, mesh, vocab_axis, token_axis)
+        lp_t = jax.lax.stop_gradient(lp_t)
+        r = jnp.clip(jax.lax.stop_gradient(lp_t - lp_s), -r_max, r_max)
+    if mask_N is None:
+        return lp_s, lp_t, r
+    keep = mask_N.astype(bool)
+    return jnp.where(keep, lp_s, 0.0), jnp.where(keep, lp_t, 0.0), jnp.where(keep, r, 0.0)
