@@ -79,3 +79,37 @@ def abstract_like(tree: Any) -> Any:
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         tree)
+
+
+def latest_step_dir(path: str | os.PathLike) -> str:
+    """Resolve a run workdir, its ``checkpoints/`` folder, or a step folder to a step folder."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(os.path.join(path, "state")):
+        return path
+    ckdir = os.path.join(path, "checkpoints") if os.path.isdir(
+        os.path.join(path, "checkpoints")) else path
+    steps = sorted(int(s) for s in os.listdir(ckdir) if s.isdigit()) if os.path.isdir(ckdir) else []
+    if not steps:
+        raise FileNotFoundError(f"no Orbax checkpoint under {path!r} (expected a run workdir, "
+                                f"its checkpoints/ folder, or a step folder)")
+    return os.path.join(ckdir, str(steps[-1]))
+
+
+def read_step_meta(step_dir: str) -> dict:
+    import json
+    with open(os.path.join(step_dir, "meta", "metadata"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def restore_params(step_dir: str, abstract_params: Any, shardings: Any | None = None) -> Any:
+    """Restore only ``params`` of a saved TrainState (no optimizer state is read)."""
+    if shardings is None:
+        dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: dev, abstract_params)
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s), shardings)
+    out = ocp.PyTreeCheckpointer().restore(
+        os.path.join(step_dir, "state"),
+        args=ocp.args.PyTreeRestore(item={"params": abstract_params},
+                                    restore_args={"params": restore_args},
+                                    partial_restore=True))
+    return out["params"]

@@ -80,13 +80,14 @@ def place_state(state: TrainState, mesh: Mesh, rules=sh.DEFAULT_RULES
 
 
 def compile_step(step_fn: Callable, state_shardings_: Any, mesh: Mesh, *,
-                 donate: bool = True) -> Callable:
-    """jit `step_fn(state, batch)` with shardings and state donation (the one jit site).
+                 extra_shardings: tuple = (), donate: bool = True) -> Callable:
+    """jit `step_fn(state, batch, *extra)` with shardings and state donation (the one jit site).
 
-    Batch leaves are sharded over the `batch` logical axis; metrics come back replicated.
+    Batch leaves are [B, ...] arrays sharded over the `batch` logical axis; `extra` arguments
+    (e.g. teacher unembeddings) take `extra_shardings`; metrics come back replicated.
     """
     batch_sharding = NamedSharding(mesh, sh.logical_to_spec(("batch",), mesh=mesh))
     return jax.jit(step_fn,
-                   in_shardings=(state_shardings_, batch_sharding),
+                   in_shardings=(state_shardings_, batch_sharding, *extra_shardings),
                    out_shardings=(state_shardings_, NamedSharding(mesh, P())),
                    donate_argnums=(0,) if donate else ())
