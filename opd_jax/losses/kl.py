@@ -56,7 +56,11 @@ def generalized_jsd(student_logp: jax.Array, teacher_logp: jax.Array,
     """
     dtype = student_logp.dtype
     log_b, log_1mb = jnp.log(jnp.asarray(beta, dtype)), jnp.log1p(-jnp.asarray(beta, dtype))
-    logm = jnp.logaddexp(log_b + student_logp, log_1mb + teacher_logp)
+    # Entries both rule out (-inf) would give logaddexp(-inf, -inf), whose gradient is NaN.
+    both_out = jnp.isneginf(student_logp) & jnp.isneginf(teacher_logp)
+    logm = jnp.logaddexp(jnp.where(both_out, 0, log_b + student_logp),
+                         jnp.where(both_out, 0, log_1mb + teacher_logp))
+    logm = jnp.where(both_out, -jnp.inf, logm)
     return beta * _kl(student_logp, logm) + (1 - beta) * _kl(teacher_logp, logm)
 
 
