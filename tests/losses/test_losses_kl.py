@@ -1,6 +1,5 @@
 """Full-vocabulary reverse/forward KL and generalized JSD: numpy parity with teacher
 mixtures, invariants, analytic and fp64 finite-difference gradients, bf16, errors."""
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -44,7 +44,8 @@ def glm(x, *, task=None, **kw):
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), use_old=st.booleans(),
        correction=st.sampled_from([None, "icepop", "tis"]),
-       mode=st.sampled_from(["token_mean", "seq_mean"]), normalizer=st.sampled_from(["all", "kept"]),
+       mode=st.sampled_from(["token_mean", "seq_mean"]),
+       normalizer=st.sampled_from(["all", "kept"]),
        r_max=st.sampled_from([0.5, 2.0, 1e3]))
 def test_kimi_matches_numpy(seed, use_old, correction, mode, normalizer, r_max):
     x = make_inputs(seed)
