@@ -58,7 +58,8 @@ def assert_parity(ours, torch_model):
 def test_hf_to_ours_logits(hf_dirs, arch):
     torch_model, path = hf_dirs[arch]
     ours = load_pretrained(path)
-    assert ours.config.arch == arch and ours.config.tie_embeddings == TINY[arch]["tie_word_embeddings"]
+    assert ours.config.arch == arch
+    assert ours.config.tie_embeddings == TINY[arch]["tie_word_embeddings"]
     assert_parity(ours, torch_model)
 
 
