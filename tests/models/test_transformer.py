@@ -35,7 +35,7 @@ def fwd_packed(m, tokens_BxT, seg_BxT):
     return m(tokens_BxT, segment_ids_BxT=seg_BxT)
 
 
-@nnx.jit
+@nnx.jit(donate_argnames="cache")  # as the rollout engine will: updates happen in place
 def step(m, tokens_BxT, positions_BxT, mask_BxT, cache):
     return m(tokens_BxT, positions_BxT=positions_BxT, attention_mask_BxT=mask_BxT, cache=cache)
 
@@ -104,8 +104,10 @@ def test_kv_cache_decode_matches_full_forward(model):
     out, cache = step(model, t[:, :4], pos[:, :4], ones(B, 4), model.init_cache(B, S))
     outs = [out]  # prefill 4 tokens at once, then one by one
     for i in range(4, T):
+        old = cache
         out, cache = step(model, t[:, i:i + 1], pos[:, i:i + 1], ones(B, 1), cache)
         outs.append(out)
+    assert old.k.is_deleted()  # the cache was donated
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5, rtol=1e-5)
     assert int(cache.index) == T
     np.testing.assert_array_equal(cache.valid, np.arange(S)[None].repeat(B, 0) < T)
