@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common, driver, reference
+from pallas_kernels import common, driver, onepass, reference
 
 
 def _config(implementation, mode, temperature, block_n, block_v, block_d, chunk_v, interpret):
@@ -95,3 +95,25 @@ def fused_clipped_log_ratio(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, targets_N, *, r_
         return lp_s, lp_t, r
     keep = mask_N.astype(bool)
     return jnp.where(keep, lp_s, 0.0), jnp.where(keep, lp_t, 0.0), jnp.where(keep, r, 0.0)
+
+
+def fused_reverse_kl_loss(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, weights_N, *, temperature: float = 1.0,
+                          implementation: str = "auto", block_n: int = 64, **kernel_kw):
+    """Scalar sum_n weights_n KL(p_s,n || p_t,n) (reverse KL, student first); weights get no gradient.
+
+    With fixed weights (mask / count, times a teacher weight) the gradient is formed in
+    the forward pass: "xla" then runs one pass over [block_n, V] rows (onepass.py), the
+    FLOPs of full-logits autodiff in O(block_n V) memory. Other implementations weight
+    fused_reverse_kl. Masked tokens are those with weight 0.
+
+    >>> loss = fused_reverse_kl_loss(h_s, w_s, h_t, w_t, mask_N / mask_N.sum())
+    """
+    n, _ = common.check_inputs(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, None, weights_N)
+    impl = common.resolve_implementation(implementation)
+    if impl == "xla" and "mesh" not in kernel_kw:
+        cfg = _config(impl, "kl", temperature, block_n, 128, 128, 8192, None)
+        return onepass.weighted_reverse_kl(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, weights_N, cfg.block_n,
+                                           cfg.temperature)
+    kl_N = fused_reverse_kl(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, mask_N=weights_N != 0, temperature=temperature,
+                            implementation=impl, block_n=block_n, **kernel_kw)
+    return jnp.sum(jax.lax.stop_gradient(weights_N).astype(jnp.float32) * kl_N)

@@ -4,11 +4,11 @@
 Shape letters: B batch, T tokens, V vocab, K teachers. p = softmax(student / tau) is the
 student, q = softmax(teacher / tau) the teacher; tau applies to both (no tau^2 factor).
 
-| loss                  | per token                                   | direction        |
-|-----------------------|---------------------------------------------|------------------|
-| reverse_kl_loss       | KL(p || q) = sum_v p_v (log p_v - log q_v)  | student first    |
-| forward_kl_loss       | KL(q || p) = sum_v q_v (log q_v - log p_v)  | teacher first    |
-| generalized_jsd_loss  | b KL(p || m) + (1 - b) KL(q || m), m = b p + (1 - b) q | symmetric at b=1/2 |
+| loss                 | per token                                        | direction     |
+|----------------------|--------------------------------------------------|---------------|
+| reverse_kl_loss      | KL(p || q) = sum_v p_v (log p_v - log q_v)       | student first |
+| forward_kl_loss      | KL(q || p) = sum_v q_v (log q_v - log p_v)       | teacher first |
+| generalized_jsd_loss | b KL(p || m) + (1-b) KL(q || m), m = b p + (1-b) q | symmetric b=.5 |
 
 Teachers: `teacher_logits` is [B, T, V] or stacked [K, B, T, V]; stacked teachers are mixed
 as sum_k w_k D(., q_k) with `weights` [K] or per-sample [B, K] (default uniform). Weights
@@ -39,12 +39,20 @@ def _kl(logp_a: jax.Array, logp_b: jax.Array) -> jax.Array:
 
 
 def reverse_kl(student_logp: jax.Array, teacher_logp: jax.Array) -> jax.Array:
-    """KL(student || teacher) per position from log-probs [..., V] (REVERSE KL)."""
+    """KL(student || teacher) per position from log-probs [..., V] (REVERSE KL).
+
+    Example: `reverse_kl(jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.9, 0.1])))`
+    is 0.5 log(0.5/0.9) + 0.5 log(0.5/0.1) = 0.511.
+    """
     return _kl(student_logp, teacher_logp)
 
 
 def forward_kl(student_logp: jax.Array, teacher_logp: jax.Array) -> jax.Array:
-    """KL(teacher || student) per position from log-probs [..., V] (FORWARD KL)."""
+    """KL(teacher || student) per position from log-probs [..., V] (FORWARD KL).
+
+    Example: `forward_kl(jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([0.9, 0.1])))`
+    is 0.9 log(0.9/0.5) + 0.1 log(0.1/0.5) = 0.368.
+    """
     return _kl(teacher_logp, student_logp)
 
 
@@ -53,10 +61,15 @@ def generalized_jsd(student_logp: jax.Array, teacher_logp: jax.Array,
     """b KL(p || m) + (1 - b) KL(q || m), m = b p + (1 - b) q, p student, q teacher.
 
     b is the student's weight. TRL's GKD `beta` weighs the teacher: TRL beta = 1 - b.
+    Example: `generalized_jsd(logp, logp, 0.5)` is 0 for any log-probs `logp`.
     """
     dtype = student_logp.dtype
     log_b, log_1mb = jnp.log(jnp.asarray(beta, dtype)), jnp.log1p(-jnp.asarray(beta, dtype))
-    logm = jnp.logaddexp(log_b + student_logp, log_1mb + teacher_logp)
+    # Entries both rule out (-inf) would give logaddexp(-inf, -inf), whose gradient is NaN.
+    both_out = jnp.isneginf(student_logp) & jnp.isneginf(teacher_logp)
+    logm = jnp.logaddexp(jnp.where(both_out, 0, log_b + student_logp),
+                         jnp.where(both_out, 0, log_1mb + teacher_logp))
+    logm = jnp.where(both_out, -jnp.inf, logm)
     return beta * _kl(student_logp, logm) + (1 - beta) * _kl(teacher_logp, logm)
 
 

@@ -30,6 +30,11 @@ def ppo_clip(lp_BxT: jax.Array, old_BxT: jax.Array, adv_BxT: jax.Array, mask_BxT
     With `dual_clip` = c > 1 (dual-clip PPO), tokens with A_t < 0 are further bounded by
     l_t <= -c A_t, so a huge ratio on a negative advantage cannot blow up the loss.
     Returns the per-token loss and the ratio/clip metrics.
+
+    Example: rho = e^0.5 = 1.65 with A = 1 is clipped to 1.2, so l = -1.2::
+
+        ppo_clip(jnp.full((1, 1), 0.5), jnp.zeros((1, 1)), jnp.ones((1, 1)), jnp.ones((1, 1)),
+                 0.2, 0.2)[0]   # [[-1.2]]
     """
     log_rho_BxT = lp_BxT - old_BxT
     rho_BxT = jnp.exp(log_rho_BxT)
@@ -86,6 +91,11 @@ def mismatch_correction(old_BxT: jax.Array, sampler_BxT: jax.Array | None, mask_
     - "icepop": weight M_t = 1[alpha <= k_t <= beta]. With icepop_normalizer="all"
       (verl's choice) rejected tokens stay in the denominator; "kept" drops them from it.
     - "tis": weight min(k_t, tis_cap) (truncated importance sampling).
+
+    Example: k = e^2 = 7.4 is outside IcePop's (0.5, 5), so the token gets weight 0::
+
+        w, denom, metrics = mismatch_correction(jnp.zeros((1, 1)), jnp.full((1, 1), -2.0),
+                                                jnp.ones((1, 1)), "icepop", (0.5, 5.0), 2.0, "all")
     """
     one_BxT = jnp.ones_like(old_BxT)
     if sampler_BxT is None:

@@ -282,7 +282,6 @@ class Transformer(nnx.Module):
                 mask_BxTxS = mask_BxTxS & (seg_q == seg_k) & (seg_k != 0)
             if attention_mask_BxT is not None:
                 mask_BxTxS = mask_BxTxS & attention_mask_BxT.astype(bool)[:, None, :]
-            kv = None
         else:
             if positions_BxT is None:
                 raise ValueError("positions_BxT is required with a cache (per row: a "

@@ -129,3 +129,18 @@ def test_bad_shapes_raise():
         fused_clipped_log_ratio(h_s, w_s, h_t, w_t, y.astype(jnp.float32), r_max=1.0)
     with pytest.raises(ValueError, match="r_max"):
         fused_clipped_log_ratio(h_s, w_s, h_t, w_t, y, r_max=-1.0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_weighted_loss_matches_reference(impl):
+    """fused_reverse_kl_loss: xla takes the one-pass path, triton weights the per-token op."""
+    from pallas_kernels import fused_reverse_kl_loss
+    h_s, w_s, h_t, w_t, _, mask = problem(37, 24, 40, 301, seed=5)
+    weights = mask / jnp.sum(mask)
+
+    def make(i):
+        if i == "reference":
+            return lambda h, w: jnp.sum(weights * fused_reverse_kl(h, w, h_t, w_t, implementation=i, temperature=1.5))
+        return lambda h, w: fused_reverse_kl_loss(h, w, h_t, w_t, weights, implementation=i, temperature=1.5,
+                                                  block_n=16)
+    check_value_and_grad(make, impl, h_s, w_s, 1e-5, 1e-4)
