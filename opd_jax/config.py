@@ -16,6 +16,7 @@ import ast
 import difflib
 import importlib.util
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +36,12 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
     module_spec = importlib.util.spec_from_file_location(
         f"_opd_config_{abs(hash(os.path.abspath(path)))}", path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    # Config files may import their siblings (shared sections), as in big_vision.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} defines no get_config()")
     try:

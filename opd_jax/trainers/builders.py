@@ -36,11 +36,33 @@ def build_sft_dataset(d: ml_collections.ConfigDict, tokenizer):
     if d.source == "synthetic":
         examples = synthetic_examples(d.task, num_examples=d.num_examples, seed=d.seed,
                                       max_digits=d.max_digits)
+    elif d.source == "tasks":
+        examples = task_demo_examples(d.tasks)
     elif d.source == "jsonl":
         if not d.path:
             raise ValueError("data.source='jsonl' needs --config.data.path=FILE.jsonl")
         examples = read_jsonl(d.path)
     else:
-        raise ValueError(f"data.source {d.source!r}: expected 'synthetic' or 'jsonl'")
+        raise ValueError(f"data.source {d.source!r}: expected 'synthetic', 'tasks' or 'jsonl'")
     return make_sft_dataset(examples, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size,
                             seed=d.seed, packing=d.packing)
+
+
+def task_demo_examples(t: ml_collections.ConfigDict) -> list[dict]:
+    """SFT cold-start data: each task's student prompt and its family's demo response.
+
+    Multi-turn tasks are skipped here (their demos need the environment's observations).
+    """
+    from opd_jax import envs
+    src = envs.grid_source(dict(t.families), tuple(t.efforts), size=t.size, seed=t.seed,
+                           difficulty=t.difficulty)
+    out = []
+    for task in src:
+        fam = envs.get_family(task.family)
+        if fam.demo is None or task.env:
+            continue
+        out.append({"prompt": envs.render_prompt(task, role="student"),
+                    "response": fam.demo(task)})
+    if not out:
+        raise ValueError(f"no single-turn task with a demo in {dict(t.families)}")
+    return out

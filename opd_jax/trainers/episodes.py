@@ -15,7 +15,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from opd_jax import envs
-from opd_jax.rollout import generate
 
 
 @dataclasses.dataclass
@@ -54,6 +53,7 @@ def encode(tokenizer, text: str) -> list[int]:
 def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig, *,
          seed: int, role: str = "student") -> list[Episode]:
     """Run every task to completion; sampling is batched across the episodes of a turn."""
+    from opd_jax.rollout import generate
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     environments = [envs.make_env(t) for t in tasks]
     episodes = [Episode(t, bos + encode(tokenizer, e.reset(t, role=role)))
