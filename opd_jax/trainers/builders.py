@@ -20,12 +20,28 @@ def model_config_from(m: ml_collections.ConfigDict):
     return ModelConfig.from_dict(fields)
 
 
+def planned_model_config(m: ml_collections.ConfigDict):
+    """The config of the model `build_model` will return, read without any weights."""
+    if m.init_from:
+        from opd_jax.teachers import TeacherSpec
+        spec = TeacherSpec(m.init_from)
+        config = spec.model_config().replace(dtype=m.dtype)
+        # HF weights are cast to param_dtype on load; opd_jax runs keep their own.
+        return config.replace(param_dtype=m.param_dtype) if spec.kind == "hf" else config
+    return model_config_from(m)
+
+
 def build_model(m: ml_collections.ConfigDict, mesh: Mesh, rules, *, seed: int) -> nnx.Module:
     """Random init straight into shardings, or load ``m.init_from`` (an HF folder)."""
-    from opd_jax.models import Transformer, load_pretrained
+    from opd_jax.models import Transformer
     if m.init_from:
-        return load_pretrained(m.init_from, dtype=m.dtype, param_dtype=m.param_dtype,
-                               mesh=mesh, rules=rules)
+        from opd_jax.teachers import TeacherSpec
+        spec = TeacherSpec(m.init_from, dtype=m.dtype)
+        if spec.kind == "hf":
+            from opd_jax.models import load_pretrained
+            return load_pretrained(m.init_from, dtype=m.dtype, param_dtype=m.param_dtype,
+                                   mesh=mesh, rules=rules)
+        return sh.shard_model(spec.load(), mesh, rules)
     config = model_config_from(m)
     return sh.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(seed)), mesh, rules)
 

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from opd_jax import envs, losses
 from opd_jax import sharding as sh
 from opd_jax.checkpoint import Checkpointer, abstract_like
-from opd_jax.teachers import TeacherBank, TeacherSpec
+from opd_jax.teachers import TeacherBank
 from opd_jax.trainers import builders
 from opd_jax.trainers.episodes import SamplingConfig, cell_of, encode, play
 from opd_jax.trainers.metrics import MetricsWriter
@@ -47,14 +47,6 @@ def task_dataset(t: ml_collections.ConfigDict, batch: int) -> grain.IterDataset:
                            difficulty=t.difficulty)
     return grain.MapDataset.source(src).shuffle(seed=t.seed).repeat(None).batch(
         batch, batch_fn=list).to_iter_dataset()
-
-
-def load_student(cfg, mesh, rules):
-    """init_from: an HF folder or an opd_jax run; empty: random init from cfg.model."""
-    if cfg.model.init_from:
-        model = TeacherSpec(cfg.model.init_from).load()
-        return sh.shard_model(model, mesh, rules)
-    return builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)
 
 
 def route(task: envs.Task, routing: str, table: dict) -> str:
@@ -108,7 +100,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     mesh = sh.make_mesh(tuple(cfg.mesh.shape))
     rules = tuple(tuple(r) for r in cfg.mesh.rules)
     tokenizer = builders.build_tokenizer(cfg.tokenizer)
-    model = load_student(cfg, mesh, rules)
+    model = builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)
     from opd_jax.models import check_tokenizer_fits
     check_tokenizer_fits(tokenizer, model.config)
     objective = make_objective(cfg.objective.name, **dict(cfg.objective.options))

@@ -42,11 +42,13 @@ def train_sft(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = 
     mesh = sh.make_mesh(tuple(cfg.mesh.shape))
     rules = tuple(tuple(r) for r in cfg.mesh.rules)
     tokenizer = builders.build_tokenizer(cfg.tokenizer)
-    model = builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)
+    # Validate everything that needs no weights before building anything.
+    model_config = builders.planned_model_config(cfg.model)
     from opd_jax.models import check_tokenizer_fits
-    check_tokenizer_fits(tokenizer, model.config)
-    model_meta = model.config.to_dict()
+    check_tokenizer_fits(tokenizer, model_config)
+    model_meta = model_config.to_dict()
     ckpt = check_workdir(workdir, model_meta)
+    model = builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)
     data = builders.build_sft_dataset(cfg.data, tokenizer)
     data_iter = iter(data)
 

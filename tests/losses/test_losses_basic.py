@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import losses_numpy_ref as ref
+from tests.losses import losses_numpy_ref as ref
 from opd_jax.losses import aggregate, sft_loss, token_entropy, token_logprobs
 
 # Few distinct shapes: every new shape recompiles each eager op, which dominates the runtime.

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import losses_numpy_ref as ref
+from tests.losses import losses_numpy_ref as ref
 from opd_jax.losses import (dapo_group_filter, group_advantages, grpo_loss, kl_k3,
                             overlong_penalty)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import losses_numpy_ref as ref
+from tests.losses import losses_numpy_ref as ref
 from opd_jax.losses import (forward_kl, forward_kl_loss, generalized_jsd, generalized_jsd_loss,
                             log_softmax, reverse_kl, reverse_kl_loss)
 

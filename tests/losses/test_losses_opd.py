@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import losses_numpy_ref as ref
+from tests.losses import losses_numpy_ref as ref
 from opd_jax.losses import (clipped_log_ratio, glm_opd_loss, kimi_mopd_loss, reverse_kl_loss,
                             token_logprobs)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from helpers import random_model
-from hf_fixtures import TINY, hf_logits, hf_model
+from tests.models.helpers import random_model
+from tests.models.hf_fixtures import TINY, hf_logits, hf_model
 
 from opd_jax.models import config_from_hf, config_to_hf, load_pretrained, save_pretrained
 from opd_jax.models.safetensors_io import SafetensorsFolder, write_folder

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import random_model, random_tokens, with_config
+from tests.models.helpers import random_model, random_tokens, with_config
 
 from opd_jax.models import KVCache, ModelConfig, Transformer
 

@@ -70,27 +70,34 @@ def test_grad_accumulation_is_exact(single_device_step):
     _assert_trees_close(params, ref_params, 1e-5)
 
 
-def test_loss_falls_and_checkpoints(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("sft")
     cfg = _cfg("--config.train.steps=60", "--config.train.ckpt_every=30",
                "--config.optim.warmup_steps=5")
-    out = train_sft(cfg, str(tmp_path), progress=False)
+    return workdir, train_sft(cfg, str(workdir), progress=False)
+
+
+def test_loss_falls_and_checkpoints(trained):
+    workdir, out = trained
     from opd_jax.trainers.metrics import read_metrics
-    losses = [m["loss"] for m in read_metrics(str(tmp_path))]
+    losses = [m["loss"] for m in read_metrics(str(workdir))]
     assert out["step"] == 60 and len(losses) == 60
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["30", "60"]
-    assert (tmp_path / "config.json").exists() and (tmp_path / "tb").is_dir()
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["30", "60"]
+    assert (workdir / "config.json").exists() and (workdir / "tb").is_dir()
 
 
-def test_workdir_of_a_different_model_is_refused(tmp_path):
-    train_sft(_cfg("--config.train.steps=2", "--config.train.ckpt_every=2"), str(tmp_path),
-              progress=False)
-    before = sorted(os.listdir(tmp_path / "checkpoints"))
+def test_workdir_of_a_different_model_is_refused(trained):
+    workdir, _ = trained
+    before = sorted(os.listdir(workdir / "checkpoints"))
+    stamp = os.path.getmtime(workdir / "config.json")
     with pytest.raises(ValueError, match="holds a checkpoint of a different model "
                                          "\\(differs in: num_layers\\)"):
-        train_sft(_cfg("--config.train.steps=4", "--config.model.num_layers=3"), str(tmp_path),
+        train_sft(_cfg("--config.train.steps=4", "--config.model.num_layers=3"), str(workdir),
                   progress=False)
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+    assert sorted(os.listdir(workdir / "checkpoints")) == before
+    assert os.path.getmtime(workdir / "config.json") == stamp
 
 
 def _final_params(workdir, step):
