@@ -50,7 +50,7 @@ def align_right(prompt_BxP, prompt_lens_B, padding: str = "left"):
 
 def sample(model, prompt_BxP, prompt_lens_B, params: SamplingParams, *, seed=0,
            max_new_B, max_len: int, think_budget_B=None, row_ids_B=None,
-           padding: str = "left", max_steps=ALL_STEPS, cache_dtype=None):
+           padding: str = "left", max_steps=ALL_STEPS, cache_dtype=None, mesh=None):
     """Prefill the prompts and decode; returns (RolloutBatch, RolloutState), all on device.
 
     prompt_BxP: int32 prompts, left-padded (right-aligned) or right-padded (`padding`).
@@ -59,7 +59,9 @@ def sample(model, prompt_BxP, prompt_lens_B, params: SamplingParams, *, seed=0,
     (static). max_steps: per-call decode budget (traced); paused rows report BUDGET and
     continue with `resume(model, state, params, max_steps)`. Rows draw from
     (seed, row_ids_B[b], position) streams. Changing params, budgets, seed or the prompts'
-    values never recompiles; B, P, S and the stop-table shapes do.
+    values never recompiles; B, P, S and the stop-table shapes do. mesh: place the state
+    on it (rows over data/fsdp, cache heads over tensor; shard the model with
+    `opd_jax.sharding.shard_model` / `init_sharded` on the same mesh).
     """
     B, P = prompt_BxP.shape
     if P + 1 > max_len:
@@ -70,6 +72,8 @@ def sample(model, prompt_BxP, prompt_lens_B, params: SamplingParams, *, seed=0,
     state = engine.init_state(model, B, max_len, seed, row_ids_B=row_ids_B,
                               think_budget_B=think_budget_B, window=params.stop_seqs_QxM.shape[1],
                               cache_dtype=cache_dtype)
+    if mesh is not None:
+        state = engine.shard_state(state, mesh)
     state = engine.extend(model, state, tok_BxP, mask_BxP, start_turn_B=jnp.ones((B,), bool),
                           max_new_B=jnp.broadcast_to(jnp.asarray(max_new_B, jnp.int32), (B,)),
                           think_ids_2=params.think_ids_2)
@@ -151,7 +155,7 @@ def check_prompts(prompts, vocab_size: int) -> None:
 def generate(model, prompts: list[list[int]], *, max_new_tokens, temperature=1.0, top_k=0,
              top_p=1.0, stop_token_ids=(), stop_strings=(), tokenizer=None, seed=0,
              think_budget=None, think_token_ids=None, max_len=None, row_ids=None,
-             steps_per_call=None, wal_path=None) -> GenerateResult:
+             steps_per_call=None, wal_path=None, mesh=None) -> GenerateResult:
     """Sample continuations of `prompts` (lists of ids); see `sample` for the semantics.
 
     max_new_tokens / think_budget: an int or one per prompt (think budget None = none;
@@ -159,6 +163,7 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens, temperature=1.0
     (default: bucketed longest prompt + max_new_tokens + 1). steps_per_call: decode in
     chunks of this many steps (paused rows resume); with `wal_path`, each chunk's tokens
     are logged to a token write-ahead log and a killed run resumes from it (see `wal`).
+    mesh: shard rows and the cache on it (the model should be sharded on it too).
     """
     check_prompts(prompts, model.config.vocab_size)
     B = len(prompts)
@@ -187,6 +192,10 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens, temperature=1.0
     budget_B = np.array([NO_BUDGET if b is None else b for b in budgets], np.int32)
     common = dict(seed=seed, max_new_B=np.array(max_new, np.int32), max_len=max_len,
                   think_budget_B=budget_B, row_ids_B=row_ids)
+    if mesh is not None:
+        if wal_path is not None:
+            raise ValueError("mesh= with wal_path= is not supported; log per host instead")
+        common["mesh"] = mesh
     if wal_path is not None:
         from opd_jax.rollout.wal import generate_logged
         batch = generate_logged(model, prompt_BxP, lens_B, params, wal_path=wal_path,

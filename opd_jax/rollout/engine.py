@@ -108,6 +108,22 @@ def init_state(model, batch: int, max_len: int, seed: int = 0, *, row_ids_B=None
         key=jax.random.key(seed))
 
 
+def shard_state(state: RolloutState, mesh, rules=None) -> RolloutState:
+    """Place a state on `mesh`: rows over the batch axes, cache kv heads over tensor, the
+    rest replicated (the same mesh and rules as training)."""
+    from opd_jax import sharding as sh
+    rules = sh.DEFAULT_RULES if rules is None else rules
+
+    def put(x):
+        if x.ndim == 0 or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.device_put(x, sh.replicated(mesh))
+        return jax.device_put(x, sh.named_sharding(("batch",) + (None,) * (x.ndim - 1),
+                                                   x.shape, mesh, rules))
+    cache = jax.device_put(state.cache, state.cache.shardings(mesh, rules))
+    rest = jax.tree.map(put, state.replace(cache=None))
+    return rest.replace(cache=cache)
+
+
 def _think_update(in_think_B, count_B, tok_B, on_B, think_ids_2):
     """Advance the think counter by one token (only where on_B)."""
     opens, closes = tok_B == think_ids_2[0], tok_B == think_ids_2[1]
