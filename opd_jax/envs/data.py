@@ -1,0 +1,178 @@
+"""Datasets of tasks as grain random-access sources, and JSONL import/export.
+
+    src = TaskSource("arithmetic", size=1000, seed=0, difficulty=3, effort="high")
+    src[7]                     # the same Task for the same (family, seed, difficulty, index)
+    ds = grain.MapDataset.source(src).shuffle(seed=1).batch(8, batch_fn=list)
+    save_jsonl(list(src)[:10], "tasks.jsonl"); load_jsonl("tasks.jsonl")
+
+Task i is generated from its own `random.Random` seeded with a hash of
+(family, seed, difficulty, i), so any index is reproducible on its own, in any process,
+in any order (what grain's shuffling and multi-worker reading need).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from typing import Iterable, Sequence
+
+from opd_jax.envs.base import DEFAULT_EFFORTS, EffortSpec, Task, get_family
+
+
+def task_rng(family: str, seed: int, difficulty: int, index: int) -> random.Random:
+    key = f"{family}/{seed}/{difficulty}/{index}".encode()
+    return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+
+
+class TaskSource:
+    """Procedural tasks of one family in one (effort, difficulty) cell; len == size.
+
+    effort: a name in DEFAULT_EFFORTS or an EffortSpec (stored in each task's meta so the
+    cell's budget and penalty travel with the task).
+    """
+
+    def __init__(self, family: str, *, size: int, seed: int = 0, difficulty: int = 1,
+                 effort: str | EffortSpec = "high"):
+        fam = get_family(family)
+        if fam.generate is None:
+            raise ValueError(f"task family {family!r} has no generator (it reads tasks from "
+                             f"JSONL: use JsonlSource)")
+        if not 1 <= difficulty <= fam.max_difficulty:
+            raise ValueError(f"{family}: difficulty={difficulty}, expected 1.."
+                             f"{fam.max_difficulty}")
+        if not (isinstance(size, int) and size > 0):
+            raise ValueError(f"size={size!r}: expected a positive int")
+        if isinstance(effort, str) and effort not in DEFAULT_EFFORTS:
+            raise ValueError(f"effort={effort!r}: expected one of {tuple(DEFAULT_EFFORTS)} or "
+                             f"an EffortSpec")
+        # The name, not the object: sources must pickle for grain workers (a worker
+        # imports the module that registers a custom family before reading).
+        self.family, self.size, self.seed, self.difficulty = fam.name, size, seed, difficulty
+        self.effort = effort
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> Task:
+        index = int(index)
+        if not -self.size <= index < self.size:
+            raise IndexError(f"index {index} out of range for TaskSource of size {self.size}")
+        index %= self.size
+        fam = get_family(self.family)
+        prompt, ref = fam.generate(task_rng(fam.name, self.seed, self.difficulty, index),
+                                   self.difficulty)
+        meta = {"difficulty": self.difficulty, "seed": self.seed, "index": index}
+        effort = self.effort
+        if isinstance(effort, EffortSpec):
+            meta["effort_spec"] = {"name": effort.name, "control_token": effort.control_token,
+                                   "think_budget": effort.think_budget,
+                                   "length_penalty": effort.length_penalty}
+            effort = effort.name
+        tid = f"{fam.name}-d{self.difficulty}-s{self.seed}-{index}"
+        return Task(tid, fam.name, fam.domain, effort, prompt, ref, fam.env, meta)
+
+    def __iter__(self):
+        return (self[i] for i in range(self.size))
+
+    def __repr__(self) -> str:  # grain uses it to check a checkpoint matches the source
+        eff = self.effort if isinstance(self.effort, str) else repr(self.effort)
+        return (f"TaskSource(family={self.family!r}, size={self.size}, "
+                f"seed={self.seed}, difficulty={self.difficulty}, effort={eff!r})")
+
+
+class MixtureSource:
+    """Round-robin over several sources (e.g. the 3x3 grid): item i = src[i % k][i // k].
+
+    len = k * min(len(s)), so every source contributes equally.
+    """
+
+    def __init__(self, sources: Sequence):
+        if not sources:
+            raise ValueError("MixtureSource needs at least one source")
+        self.sources = list(sources)
+        self._n = min(len(s) for s in self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources) * self._n
+
+    def __getitem__(self, index: int) -> Task:
+        index = int(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} out of range for MixtureSource of size "
+                             f"{len(self)}")
+        k = len(self.sources)
+        return self.sources[index % k][index // k]
+
+    def __repr__(self) -> str:
+        return f"MixtureSource([{', '.join(repr(s) for s in self.sources)}])"
+
+
+def grid_source(families: dict[str, str], efforts: Sequence[str | EffortSpec] = ("low", "high",
+                "max"), *, size: int, seed: int = 0, difficulty: int = 1) -> MixtureSource:
+    """A domain x effort grid: families maps domain -> family name.
+
+    >>> grid_source({"general": "arithmetic", "coding": "code_expr"}, size=10)  # 2x3 cells
+    """
+    cells = []
+    for domain, fam in families.items():
+        if get_family(fam).domain != domain:
+            raise ValueError(f"family {fam!r} is in domain {get_family(fam).domain!r}, "
+                             f"not {domain!r}")
+        for e in efforts:
+            cells.append(TaskSource(fam, size=size, seed=seed, difficulty=difficulty,
+                                    effort=e))
+    return MixtureSource(cells)
+
+
+def save_jsonl(tasks: Iterable[Task], path: str | os.PathLike) -> int:
+    """Write one JSON object per task; returns the count."""
+    n = 0
+    with open(path, "w") as f:
+        for t in tasks:
+            f.write(json.dumps(t.to_dict(), sort_keys=True) + "\n")
+            n += 1
+    return n
+
+
+def load_jsonl(path: str | os.PathLike) -> list[Task]:
+    """Read tasks written by save_jsonl or by hand. A line needs at least prompt, family,
+    domain and effort; a missing id becomes "<file stem>-<line>". Families are checked.
+    """
+    tasks, stem = [], os.path.splitext(os.path.basename(os.fspath(path)))[0]
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+            if not isinstance(d, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object, got "
+                                 f"{type(d).__name__}")
+            d.setdefault("id", f"{stem}-{lineno}")
+            try:
+                task = Task.from_dict(d)
+                get_family(task.family)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{lineno}: {e}") from None
+            tasks.append(task)
+    return tasks
+
+
+class JsonlSource:
+    """Tasks from a JSONL file as a grain source (read once, held in memory)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.tasks = load_jsonl(self.path)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, index: int) -> Task:
+        return self.tasks[int(index)]
+
+    def __repr__(self) -> str:
+        return f"JsonlSource({self.path!r}, n={len(self.tasks)})"

@@ -1,0 +1,121 @@
+"""Policy-gradient building blocks shared by GRPO and the sampled-token OPD losses:
+the PPO-clip surrogate and the training/inference mismatch corrections (IcePop, TIS).
+
+Shape letters: B batch, T tokens. All inputs here are already sanitized (masked entries
+replaced by finite values) and in fp32/fp64.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from opd_jax.losses import _checks
+from opd_jax.losses.aggregation import masked_frac, masked_max, masked_mean, masked_min
+
+CORRECTIONS = (None, "icepop", "tis")
+ICEPOP_NORMALIZERS = ("all", "kept")
+
+
+def check_ppo_args(eps_low, eps_high, dual_clip) -> None:
+    _checks.check_scalar("eps_low", eps_low, lo=0.0, hi=1.0, hi_open=True)
+    _checks.check_scalar("eps_high", eps_high, lo=0.0)
+    if dual_clip is not None:
+        _checks.check_scalar("dual_clip", dual_clip, lo=1.0, lo_open=True)
+
+
+def ppo_clip(lp_BxT: jax.Array, old_BxT: jax.Array, adv_BxT: jax.Array, mask_BxT: jax.Array,
+             eps_low, eps_high, dual_clip=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """l_t = -min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t), rho = exp(lp - old).
+
+    With `dual_clip` = c > 1 (dual-clip PPO), tokens with A_t < 0 are further bounded by
+    l_t <= -c A_t, so a huge ratio on a negative advantage cannot blow up the loss.
+    Returns the per-token loss and the ratio/clip metrics.
+
+    Example: rho = e^0.5 = 1.65 with A = 1 is clipped to 1.2, so l = -1.2::
+
+        ppo_clip(jnp.full((1, 1), 0.5), jnp.zeros((1, 1)), jnp.ones((1, 1)), jnp.ones((1, 1)),
+                 0.2, 0.2)[0]   # [[-1.2]]
+    """
+    log_rho_BxT = lp_BxT - old_BxT
+    rho_BxT = jnp.exp(log_rho_BxT)
+    clipped_BxT = jnp.clip(rho_BxT, 1 - eps_low, 1 + eps_high)
+    pg_BxT = -jnp.minimum(rho_BxT * adv_BxT, clipped_BxT * adv_BxT)
+    sg_rho, sg_adv = jax.lax.stop_gradient(rho_BxT), jax.lax.stop_gradient(adv_BxT)
+    high_BxT = (sg_adv > 0) & (sg_rho > 1 + eps_high)
+    low_BxT = (sg_adv < 0) & (sg_rho < 1 - eps_low)
+    metrics = {
+        "ratio_mean": masked_mean(sg_rho, mask_BxT),
+        "ratio_min": masked_min(sg_rho, mask_BxT),
+        "ratio_max": masked_max(sg_rho, mask_BxT),
+        "clip_frac": masked_frac(high_BxT | low_BxT, mask_BxT),
+        "clip_frac_low": masked_frac(low_BxT, mask_BxT),
+        "clip_frac_high": masked_frac(high_BxT, mask_BxT),
+        # k1 estimate of KL(pi_old || pi_theta) on tokens sampled from pi_old.
+        "ppo_kl": masked_mean(-jax.lax.stop_gradient(log_rho_BxT), mask_BxT),
+    }
+    if dual_clip is not None:
+        bound_BxT = -dual_clip * adv_BxT
+        dual_BxT = (sg_adv < 0) & (jax.lax.stop_gradient(pg_BxT) > jax.lax.stop_gradient(bound_BxT))
+        pg_BxT = jnp.where(adv_BxT < 0, jnp.minimum(pg_BxT, bound_BxT), pg_BxT)
+        metrics["dual_clip_frac"] = masked_frac(dual_BxT, mask_BxT)
+    return pg_BxT, metrics
+
+
+def check_correction_args(correction, sampler_logp_BxT, icepop_bounds, tis_cap,
+                          icepop_normalizer) -> None:
+    _checks.check_choice("correction", correction, CORRECTIONS)
+    _checks.check_choice("icepop_normalizer", icepop_normalizer, ICEPOP_NORMALIZERS)
+    if correction is not None and sampler_logp_BxT is None:
+        raise ValueError(f"correction={correction!r} needs sampler_logp_BxT (the rollout "
+                         f"engine's log-probs of the sampled tokens), got None")
+    if correction == "icepop":
+        if len(icepop_bounds) != 2:
+            raise ValueError(f"icepop_bounds={icepop_bounds!r}, expected (alpha, beta)")
+        lo, hi = icepop_bounds
+        _checks.check_scalar("icepop_bounds[0]", lo, lo=0.0)
+        _checks.check_scalar("icepop_bounds[1]", hi, lo=0.0)
+        a, b = _checks.concrete(lo), _checks.concrete(hi)
+        if a is not None and b is not None and not float(a) < float(b):
+            raise ValueError(f"icepop_bounds={tuple(icepop_bounds)}: need alpha < beta")
+    if correction == "tis":
+        _checks.check_scalar("tis_cap", tis_cap, lo=0.0, lo_open=True)
+
+
+def mismatch_correction(old_BxT: jax.Array, sampler_BxT: jax.Array | None, mask_BxT: jax.Array,
+                        correction, icepop_bounds, tis_cap, icepop_normalizer
+                        ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Per-token weight on the policy loss and the denominator mask, from the mismatch
+    k_t = exp(lp_old_train(y_t) - lp_sampler(y_t)) (detached).
+
+    - None: weight 1 (the mismatch metrics are still logged when sampler log-probs exist).
+    - "icepop": weight M_t = 1[alpha <= k_t <= beta]. With icepop_normalizer="all"
+      (verl's choice) rejected tokens stay in the denominator; "kept" drops them from it.
+    - "tis": weight min(k_t, tis_cap) (truncated importance sampling).
+
+    Example: k = e^2 = 7.4 is outside IcePop's (0.5, 5), so the token gets weight 0::
+
+        w, denom, metrics = mismatch_correction(jnp.zeros((1, 1)), jnp.full((1, 1), -2.0),
+                                                jnp.ones((1, 1)), "icepop", (0.5, 5.0), 2.0, "all")
+    """
+    one_BxT = jnp.ones_like(old_BxT)
+    if sampler_BxT is None:
+        return one_BxT, mask_BxT, {}
+    k_BxT = jnp.exp(jax.lax.stop_gradient(old_BxT - sampler_BxT))
+    metrics = {
+        "mismatch_min": masked_min(k_BxT, mask_BxT),
+        "mismatch_mean": masked_mean(k_BxT, mask_BxT),
+        "mismatch_max": masked_max(k_BxT, mask_BxT),
+    }
+    if correction == "icepop":
+        lo, hi = icepop_bounds
+        keep_BxT = (k_BxT >= lo) & (k_BxT <= hi)
+        metrics["icepop_masked_frac"] = masked_frac(~keep_BxT, mask_BxT)
+        weight_BxT = keep_BxT.astype(old_BxT.dtype)
+        denom_BxT = mask_BxT if icepop_normalizer == "all" else mask_BxT * weight_BxT
+        return weight_BxT, denom_BxT, metrics
+    if correction == "tis":
+        weight_BxT = jnp.minimum(k_BxT, tis_cap)
+        metrics["tis_clip_frac"] = masked_frac(k_BxT > tis_cap, mask_BxT)
+        metrics["tis_weight_mean"] = masked_mean(weight_BxT, mask_BxT)
+        return weight_BxT, mask_BxT, metrics
+    return one_BxT, mask_BxT, metrics

@@ -1,0 +1,316 @@
+"""Decoder-only transformer (Llama / Qwen2 / Qwen3 families) in Flax NNX, with a KV cache.
+
+Letters: B batch, T new tokens, S key slots (T without cache, cache length with one),
+D hidden, H query heads, K kv heads, G = H / K, Dh head dim, F mlp, V vocab, L layers.
+
+    model = Transformer(ModelConfig.preset("tiny"), rngs=nnx.Rngs(0))
+    logits_BxTxV = model(tokens_BxT)
+    hidden_BxTxD = model(tokens_BxT, return_hidden=True)     # model.logits(hidden) == logits
+    cache = model.init_cache(batch=B, max_len=64)
+    logits_BxTxV, cache = model(prompt_BxT, positions_BxT=pos_BxT, cache=cache,
+                                attention_mask_BxT=mask_BxT)
+
+Numerics: matmuls run in `config.dtype`; RMSNorm statistics, RoPE angles, attention scores
+and softmax in fp32 (bf16 loses the softmax tail).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+from jax import lax
+
+from opd_jax.models.config import ModelConfig
+
+F32 = jnp.float32
+_MASKED = -1e30  # finite: a fully masked row (padding) gives a uniform average, not NaN
+_init = jax.nn.initializers.normal(0.02)  # HF initializer_range default
+
+
+def _param(value, names) -> nnx.Param:
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+@struct.dataclass
+class KVCache:
+    """Keys/values of every layer in fixed slots, plus which slots may be attended.
+
+    k, v: [L, B, S, K, Dh]; valid: [B, S] bool; index: int32 scalar, the next free slot
+    (shared by all rows). A call with T tokens writes slots [index, index + T), sets
+    valid there from its attention mask, and advances index by T. A query in slot j
+    attends to the slots s <= j where valid[b, s]. Slots are not positions: RoPE
+    positions come from the caller (a left-padded row starts at position 0 on its first
+    real token).
+    """
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    index: jax.Array
+
+    LOGICAL_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
+    @classmethod
+    def create(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
+        dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
+        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   valid=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32))
+
+    @property
+    def valid_BxS(self) -> jax.Array:
+        return self.valid
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def shardings(self, mesh, rules=None) -> "KVCache":
+        """NamedShardings for this cache on `mesh` (batch and kv heads split, slots whole)."""
+        from opd_jax import sharding as sh
+        rules = sh.DEFAULT_RULES if rules is None else rules
+        kv = sh.named_sharding(self.LOGICAL_AXES, self.k.shape, mesh, rules)
+        return KVCache(k=kv, v=kv, valid=sh.named_sharding(("batch", "seq"), self.valid.shape,
+                                                           mesh, rules),
+                       index=sh.replicated(mesh))
+
+
+class RMSNorm(nnx.Module):
+    """y = x / sqrt(mean(x^2) + eps) * scale, statistics in fp32."""
+
+    def __init__(self, size: int, eps: float, param_dtype):
+        self.scale = _param(jnp.ones((size,), param_dtype), ("norm",))
+        self.eps = eps
+
+    def __call__(self, x, dtype):
+        x32 = x.astype(F32)
+        y = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(F32)).astype(dtype)
+
+
+def rope_cos_sin(positions_BxT, head_dim: int, theta: float):
+    """HF "rotate_half" RoPE tables: angle[b, t, i] = pos * theta^(-2i / Dh), i < Dh / 2,
+    repeated twice along the last axis. Returns fp32 cos, sin of shape [B, T, Dh]."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
+    angle_BxTxDh2 = positions_BxT.astype(F32)[..., None] * inv_freq
+    angle_BxTxDh = jnp.concatenate([angle_BxTxDh2, angle_BxTxDh2], axis=-1)
+    return jnp.cos(angle_BxTxDh), jnp.sin(angle_BxTxDh)
+
+
+def apply_rope(x_BxTxNxDh, cos_BxTxDh, sin_BxTxDh):
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] (HF Llama layout)."""
+    x1, x2 = jnp.split(x_BxTxNxDh, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    cos, sin = cos_BxTxDh[:, :, None, :], sin_BxTxDh[:, :, None, :]
+    return (x_BxTxNxDh.astype(F32) * cos + rotated.astype(F32) * sin).astype(x_BxTxNxDh.dtype)
+
+
+def attend(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, dtype):
+    """Grouped-query softmax(q k^T / sqrt(Dh) + mask) v; query head h reads kv head h // G."""
+    B, T, H, Dh = q_BxTxHxDh.shape
+    K = k_BxSxKxDh.shape[2]
+    q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
+    s_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxDh, k_BxSxKxDh.astype(dtype),
+                             preferred_element_type=F32) * (Dh ** -0.5)
+    s_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, _MASKED)
+    p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1)
+    o_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", p_BxKxGxTxS.astype(dtype),
+                              v_BxSxKxDh.astype(dtype), preferred_element_type=F32)
+    return o_BxTxKxGxDh.reshape(B, T, H, Dh).astype(dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, H, K, Dh, pd = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.params_dtype)
+        self.q = _param(_init(rngs.params(), (D, H, Dh), pd), ("embed", "heads", "head_dim"))
+        self.k = _param(_init(rngs.params(), (D, K, Dh), pd), ("embed", "kv_heads", "head_dim"))
+        self.v = _param(_init(rngs.params(), (D, K, Dh), pd), ("embed", "kv_heads", "head_dim"))
+        self.o = _param(_init(rngs.params(), (H, Dh, D), pd), ("heads", "head_dim", "embed"))
+        if cfg.use_qkv_bias:
+            self.q_bias = _param(jnp.zeros((H, Dh), pd), ("heads", "head_dim"))
+            self.k_bias = _param(jnp.zeros((K, Dh), pd), ("kv_heads", "head_dim"))
+            self.v_bias = _param(jnp.zeros((K, Dh), pd), ("kv_heads", "head_dim"))
+        if cfg.use_qk_norm:
+            self.q_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd)
+            self.k_norm = RMSNorm(Dh, cfg.rms_norm_eps, pd)
+        self.cfg = cfg
+
+    def _project(self, x_BxTxD, name: str, dtype):
+        w = getattr(self, name)[...].astype(dtype)
+        y = jnp.einsum("btd,dnh->btnh", x_BxTxD, w, preferred_element_type=F32)
+        if self.cfg.use_qkv_bias:
+            y = y + getattr(self, name + "_bias")[...].astype(F32)
+        return y.astype(dtype)
+
+    def __call__(self, x_BxTxD, cos_BxTxDh, sin_BxTxDh, mask_BxTxS, kv=None):
+        """kv = (k_LxBxSxKxDh, v_LxBxSxKxDh, layer, index) for cached calls, else None."""
+        dtype = self.cfg.compute_dtype
+        q_BxTxHxDh = self._project(x_BxTxD, "q", dtype)
+        k_BxTxKxDh = self._project(x_BxTxD, "k", dtype)
+        v_BxTxKxDh = self._project(x_BxTxD, "v", dtype)
+        if self.cfg.use_qk_norm:  # Qwen3: per-head RMSNorm before RoPE
+            q_BxTxHxDh = self.q_norm(q_BxTxHxDh, dtype)
+            k_BxTxKxDh = self.k_norm(k_BxTxKxDh, dtype)
+        q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos_BxTxDh, sin_BxTxDh)
+        k_BxTxKxDh = apply_rope(k_BxTxKxDh, cos_BxTxDh, sin_BxTxDh)
+        if kv is None:
+            k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
+        else:
+            k_all, v_all, layer, index = kv
+            zero = jnp.zeros((), jnp.int32)
+            start = (jnp.asarray(layer, jnp.int32), zero, index, zero, zero)
+            k_all = lax.dynamic_update_slice(k_all, k_BxTxKxDh[None].astype(k_all.dtype), start)
+            v_all = lax.dynamic_update_slice(v_all, v_BxTxKxDh[None].astype(v_all.dtype), start)
+            k_BxSxKxDh, v_BxSxKxDh = k_all[layer], v_all[layer]
+            kv = (k_all, v_all)
+        o_BxTxHxDh = attend(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, dtype)
+        out_BxTxD = jnp.einsum("bthk,hkd->btd", o_BxTxHxDh, self.o[...].astype(dtype),
+                               preferred_element_type=F32).astype(dtype)
+        return out_BxTxD, kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x gate) * (x up))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, Fs, pd = cfg.hidden_size, cfg.intermediate_size, cfg.params_dtype
+        self.gate = _param(_init(rngs.params(), (D, Fs), pd), ("embed", "mlp"))
+        self.up = _param(_init(rngs.params(), (D, Fs), pd), ("embed", "mlp"))
+        self.down = _param(_init(rngs.params(), (Fs, D), pd), ("mlp", "embed"))
+
+    def __call__(self, x_BxTxD, dtype):
+        g_BxTxF = jnp.dot(x_BxTxD, self.gate[...].astype(dtype), preferred_element_type=F32)
+        u_BxTxF = jnp.dot(x_BxTxD, self.up[...].astype(dtype), preferred_element_type=F32)
+        h_BxTxF = (jax.nn.silu(g_BxTxF) * u_BxTxF).astype(dtype)
+        return jnp.dot(h_BxTxF, self.down[...].astype(dtype),
+                       preferred_element_type=F32).astype(dtype)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.params_dtype)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.params_dtype)
+        self.mlp = MLP(cfg, rngs=rngs)
+        self.dtype = cfg.compute_dtype
+
+    def __call__(self, x_BxTxD, cos, sin, mask_BxTxS, kv=None):
+        h_BxTxD, kv = self.attn(self.attn_norm(x_BxTxD, self.dtype), cos, sin, mask_BxTxS, kv)
+        x_BxTxD = x_BxTxD + h_BxTxD
+        x_BxTxD = x_BxTxD + self.mlp(self.mlp_norm(x_BxTxD, self.dtype), self.dtype)
+        return x_BxTxD, kv
+
+
+def _check_bt(name: str, x, shape) -> None:
+    if x is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} "
+                         f"(the shape of tokens_BxT)")
+
+
+def default_positions(B: int, T: int, segment_ids_BxT=None, attention_mask_BxT=None):
+    """Positions when the caller gives none (no-cache path).
+
+    With segment_ids: restart at 0 where the id changes (packed documents; padding id 0
+    gets positions too, harmless since it is masked). Else with an attention mask:
+    cumsum(mask) - 1 clipped at 0, so a left-padded row starts at 0 on its first real
+    token. Else arange(T).  E.g. segments [1 1 2 2 2 0] -> [0 1 0 1 2 0].
+    """
+    t_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if segment_ids_BxT is not None:
+        prev_BxT = jnp.pad(segment_ids_BxT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+        start_BxT = lax.cummax(jnp.where(segment_ids_BxT != prev_BxT, t_BxT, 0), axis=1)
+        return t_BxT - start_BxT
+    if attention_mask_BxT is not None:
+        return jnp.maximum(jnp.cumsum(attention_mask_BxT.astype(jnp.int32), axis=1) - 1, 0)
+    return t_BxT
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. See the module docstring for the call forms."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        cfg = config
+        self.config = cfg
+        self.embed = _param(_init(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
+                                  cfg.params_dtype), ("vocab", "embed"))
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.params_dtype)
+        if not cfg.tie_embeddings:
+            self.lm_head = _param(_init(rngs.params(), (cfg.hidden_size, cfg.vocab_size),
+                                        cfg.params_dtype), ("embed", "vocab"))
+
+    def unembedding(self) -> jax.Array:
+        """W_DxV in param dtype: embed.T when tied, else the lm_head kernel."""
+        return self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
+
+    def logits(self, hidden_BxTxD) -> jax.Array:
+        """logits_BxTxV = hidden @ unembedding(), in the compute dtype (fp32 accumulation)."""
+        dtype = self.config.compute_dtype
+        return jnp.dot(hidden_BxTxD.astype(dtype), self.unembedding().astype(dtype),
+                       preferred_element_type=F32).astype(dtype)
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        return KVCache.create(self.config, batch, max_len, dtype)
+
+    def __call__(self, tokens_BxT, *, positions_BxT=None, segment_ids_BxT=None,
+                 cache: KVCache | None = None, attention_mask_BxT=None,
+                 return_hidden: bool = False):
+        """Logits [B, T, V] (or final-norm hidden [B, T, D]); with a cache, (out, new_cache).
+
+        Without cache: causal attention, restricted to equal nonzero segment ids when
+        `segment_ids_BxT` is given and to keys with mask 1 when `attention_mask_BxT` is.
+        With cache: see KVCache; `positions_BxT` is required, segment ids are not allowed.
+        """
+        cfg = self.config
+        dtype = cfg.compute_dtype
+        if tokens_BxT.ndim != 2 or not jnp.issubdtype(tokens_BxT.dtype, jnp.integer):
+            raise ValueError(f"tokens must be an int [B, T] array, got {tokens_BxT.dtype} "
+                             f"of shape {tuple(tokens_BxT.shape)}")
+        B, T = tokens_BxT.shape
+        for name, x in (("positions_BxT", positions_BxT), ("segment_ids_BxT", segment_ids_BxT),
+                        ("attention_mask_BxT", attention_mask_BxT)):
+            _check_bt(name, x, (B, T))
+
+        if cache is None:
+            if positions_BxT is None:
+                positions_BxT = default_positions(B, T, segment_ids_BxT, attention_mask_BxT)
+            mask_BxTxS = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+            if segment_ids_BxT is not None:
+                seg_q, seg_k = segment_ids_BxT[:, :, None], segment_ids_BxT[:, None, :]
+                mask_BxTxS = mask_BxTxS & (seg_q == seg_k) & (seg_k != 0)
+            if attention_mask_BxT is not None:
+                mask_BxTxS = mask_BxTxS & attention_mask_BxT.astype(bool)[:, None, :]
+        else:
+            if positions_BxT is None:
+                raise ValueError("positions_BxT is required with a cache (per row: a "
+                                 "left-padded row starts at 0 on its first real token)")
+            if segment_ids_BxT is not None:
+                raise ValueError("segment_ids_BxT is not supported with a cache; use "
+                                 "attention_mask_BxT and positions_BxT")
+            if cache.k.shape[1] != B or T > cache.max_len:
+                raise ValueError(f"cache holds batch {cache.k.shape[1]} x {cache.max_len} "
+                                 f"slots; got tokens of shape {(B, T)}")
+            new_valid_BxT = (jnp.ones((B, T), bool) if attention_mask_BxT is None
+                             else attention_mask_BxT.astype(bool))
+            index = cache.index.astype(jnp.int32)
+            valid_BxS = lax.dynamic_update_slice(cache.valid, new_valid_BxT,
+                                                 (jnp.zeros((), jnp.int32), index))
+            slot_S = jnp.arange(cache.max_len, dtype=jnp.int32)
+            q_slot_T = index + jnp.arange(T, dtype=jnp.int32)
+            mask_BxTxS = (slot_S[None, None, :] <= q_slot_T[None, :, None]) & valid_BxS[:, None, :]
+            kv_all = (cache.k, cache.v)
+
+        cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
+        x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dtype)
+        for i, layer in enumerate(self.layers):
+            if cache is None:
+                x_BxTxD, _ = layer(x_BxTxD, cos, sin, mask_BxTxS)
+            else:
+                x_BxTxD, kv_all = layer(x_BxTxD, cos, sin, mask_BxTxS, (*kv_all, i, index))
+        hidden_BxTxD = self.final_norm(x_BxTxD, dtype)
+        out = hidden_BxTxD if return_hidden else self.logits(hidden_BxTxD)
+        if cache is None:
+            return out
+        return out, KVCache(k=kv_all[0], v=kv_all[1], valid=valid_BxS, index=index + T)

@@ -1,0 +1,136 @@
+"""The teacher bank: a registry of teacher checkpoints, loaded on demand into a bounded cache.
+
+A key (any string; the recipes use ``"domain/effort"``) maps to a :class:`TeacherSpec`: a
+Hugging Face folder (config.json + safetensors) or an opd_jax run (its Orbax checkpoints).
+Teachers may differ from the student in size but must share its vocabulary, which
+:meth:`TeacherBank.validate` checks from the configs alone, before any weights are read.
+Loaded teachers live in an LRU cache bounded by count and/or bytes; loads and evictions are
+logged and counted (``bank.stats``).
+
+    bank = TeacherBank({"general/max": TeacherSpec("runs/general_max")}, max_loaded=2)
+    bank.validate(student_vocab=128)
+    teacher = bank.get("general/max")          # a Transformer, loaded if needed
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping
+
+import jax
+from flax import nnx
+
+from opd_jax import checkpoint as ckpt_lib
+from opd_jax.models import ModelConfig, Transformer, load_pretrained
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeacherSpec:
+    """Where a teacher lives. `path`: an HF folder, an opd_jax workdir, or a step folder."""
+    path: str
+    dtype: str | None = None          # compute dtype override (e.g. "bfloat16")
+
+    @property
+    def kind(self) -> str:
+        return "hf" if os.path.isfile(os.path.join(self.path, "config.json")) and any(
+            f.endswith(".safetensors") or f.endswith(".safetensors.index.json")
+            for f in os.listdir(self.path)) else "orbax"
+
+    def model_config(self) -> ModelConfig:
+        """The teacher's config, read without touching its weights."""
+        if not os.path.exists(self.path):
+            raise FileNotFoundError(f"teacher checkpoint {self.path!r} does not exist")
+        if self.kind == "hf":
+            from opd_jax.models import config_from_hf
+            with open(os.path.join(self.path, "config.json"), encoding="utf-8") as f:
+                return config_from_hf(json.load(f))
+        meta = ckpt_lib.read_step_meta(ckpt_lib.latest_step_dir(self.path))
+        if "model" not in meta:
+            raise ValueError(f"checkpoint {self.path!r} has no model config in its metadata")
+        return ModelConfig.from_dict(meta["model"])
+
+    def load(self) -> Transformer:
+        if self.kind == "hf":
+            return load_pretrained(self.path, dtype=self.dtype)
+        config = self.model_config()
+        if self.dtype:
+            config = config.replace(dtype=self.dtype)
+        abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+        graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+        params = ckpt_lib.restore_params(ckpt_lib.latest_step_dir(self.path), params)
+        return nnx.merge(graphdef, params, rest)
+
+
+def model_bytes(model: nnx.Module) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+
+
+class TeacherBank:
+    """Registry + LRU cache of teachers. ``max_loaded`` / ``max_bytes`` bound the cache."""
+
+    def __init__(self, specs: Mapping[str, TeacherSpec | str], *, max_loaded: int | None = None,
+                 max_bytes: int | None = None):
+        if not specs:
+            raise ValueError("the teacher bank is empty; give at least one teacher")
+        self.specs = {k: v if isinstance(v, TeacherSpec) else TeacherSpec(str(v))
+                      for k, v in specs.items()}
+        if max_loaded is not None and max_loaded < 1:
+            raise ValueError(f"max_loaded must be >= 1, got {max_loaded}")
+        self.max_loaded, self.max_bytes = max_loaded, max_bytes
+        self._cache: collections.OrderedDict[str, tuple[Transformer, int]] = collections.OrderedDict()
+        self.stats = {"loads": 0, "evictions": 0, "hits": 0}
+        self.events: list[tuple[str, str]] = []   # ("load" | "evict", key), in order
+
+    def keys(self) -> list[str]:
+        return list(self.specs)
+
+    def validate(self, student_vocab: int) -> dict[str, ModelConfig]:
+        """Every teacher exists and shares the student's vocabulary (configs only)."""
+        configs = {}
+        for key, spec in self.specs.items():
+            cfg = spec.model_config()
+            if cfg.vocab_size != student_vocab:
+                raise ValueError(f"teacher vocab {cfg.vocab_size} != student vocab "
+                                 f"{student_vocab} (teacher {key!r} at {spec.path})")
+            configs[key] = cfg
+        return configs
+
+    def spec(self, key: str) -> TeacherSpec:
+        if key not in self.specs:
+            raise KeyError(f"no teacher for {key!r}; the bank has: {', '.join(sorted(self.specs))}")
+        return self.specs[key]
+
+    def get(self, key: str) -> Transformer:
+        spec = self.spec(key)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            self.stats["hits"] += 1
+            return self._cache[key][0]
+        model = spec.load()
+        size = model_bytes(model)
+        self._cache[key] = (model, size)
+        self.stats["loads"] += 1
+        self.events.append(("load", key))
+        log.info("teacher %s loaded from %s (%.1f MB)", key, spec.path, size / 2**20)
+        self._evict(keep=key)
+        return model
+
+    def loaded(self) -> list[str]:
+        return list(self._cache)
+
+    def _evict(self, keep: str) -> None:
+        def over():
+            n_over = self.max_loaded is not None and len(self._cache) > self.max_loaded
+            b_over = self.max_bytes is not None and sum(s for _, s in self._cache.values()) > self.max_bytes
+            return n_over or b_over
+        while over() and len(self._cache) > 1:
+            key = next(k for k in self._cache if k != keep)
+            del self._cache[key]
+            self.stats["evictions"] += 1
+            self.events.append(("evict", key))
+            log.info("teacher %s evicted", key)

@@ -1,0 +1,68 @@
+"""Build tokenizers, models and datasets from config sections (shared by every trainer)."""
+from __future__ import annotations
+
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh
+
+from opd_jax import sharding as sh
+
+
+def build_tokenizer(spec: str):
+    from opd_jax.models import load_tokenizer, synthetic_tokenizer
+    return synthetic_tokenizer() if spec == "synthetic" else load_tokenizer(spec)
+
+
+def model_config_from(m: ml_collections.ConfigDict):
+    """ModelConfig from a config section (``init_from`` is not a model field)."""
+    from opd_jax.models import ModelConfig
+    fields = {k: v for k, v in m.to_dict().items() if k != "init_from"}
+    return ModelConfig.from_dict(fields)
+
+
+def build_model(m: ml_collections.ConfigDict, mesh: Mesh, rules, *, seed: int) -> nnx.Module:
+    """Random init straight into shardings, or load ``m.init_from`` (an HF folder)."""
+    from opd_jax.models import Transformer, load_pretrained
+    if m.init_from:
+        return load_pretrained(m.init_from, dtype=m.dtype, param_dtype=m.param_dtype,
+                               mesh=mesh, rules=rules)
+    config = model_config_from(m)
+    return sh.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(seed)), mesh, rules)
+
+
+def build_sft_dataset(d: ml_collections.ConfigDict, tokenizer):
+    from opd_jax.data.sft import make_sft_dataset, read_jsonl
+    from opd_jax.data.synthetic import synthetic_examples
+    if d.source == "synthetic":
+        examples = synthetic_examples(d.task, num_examples=d.num_examples, seed=d.seed,
+                                      max_digits=d.max_digits)
+    elif d.source == "tasks":
+        examples = task_demo_examples(d.tasks)
+    elif d.source == "jsonl":
+        if not d.path:
+            raise ValueError("data.source='jsonl' needs --config.data.path=FILE.jsonl")
+        examples = read_jsonl(d.path)
+    else:
+        raise ValueError(f"data.source {d.source!r}: expected 'synthetic', 'tasks' or 'jsonl'")
+    return make_sft_dataset(examples, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size,
+                            seed=d.seed, packing=d.packing)
+
+
+def task_demo_examples(t: ml_collections.ConfigDict) -> list[dict]:
+    """SFT cold-start data: each task's student prompt and its family's demo response.
+
+    Multi-turn tasks are skipped here (their demos need the environment's observations).
+    """
+    from opd_jax import envs
+    src = envs.grid_source(dict(t.families), tuple(t.efforts), size=t.size, seed=t.seed,
+                           difficulty=t.difficulty)
+    out = []
+    for task in src:
+        fam = envs.get_family(task.family)
+        if fam.demo is None or task.env:
+            continue
+        out.append({"prompt": envs.render_prompt(task, role="student"),
+                    "response": fam.demo(task)})
+    if not out:
+        raise ValueError(f"no single-turn task with a demo in {dict(t.families)}")
+    return out

@@ -1,0 +1,99 @@
+"""Play tasks with a policy model: batched sampling turns and environment steps.
+
+Each task becomes one episode: its rendered prompt (student or teacher role), then turns of
+sampled tokens and environment observations until the environment says done or
+`max_turns` is reached. The result keeps, per episode, the prompt ids, the response ids
+(sampled tokens and observation tokens interleaved), a response mask (1 on sampled tokens,
+0 on observations, so losses never train on environment text), the sampler's log-prob of
+each sampled token, the reward and the environment's info.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from opd_jax import envs
+
+
+@dataclasses.dataclass
+class Episode:
+    task: envs.Task
+    prompt_ids: list[int]
+    response_ids: list[int] = dataclasses.field(default_factory=list)
+    response_mask: list[int] = dataclasses.field(default_factory=list)
+    sampler_logp: list[float] = dataclasses.field(default_factory=list)
+    reward: float = 0.0
+    info: dict = dataclasses.field(default_factory=dict)
+    done: bool = False
+    turns: int = 0
+    finish: str = ""
+    text: str = ""
+
+    @property
+    def sampled_tokens(self) -> int:
+        return int(sum(self.response_mask))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_turns: int = 4
+    use_think_budget: bool = True    # force </think> at the effort's thinking budget
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig, *,
+         seed: int, role: str = "student") -> list[Episode]:
+    """Run every task to completion; sampling is batched across the episodes of a turn."""
+    from opd_jax.rollout import generate
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    environments = [envs.make_env(t) for t in tasks]
+    episodes = [Episode(t, bos + encode(tokenizer, e.reset(t, role=role)))
+                for t, e in zip(tasks, environments)]
+    stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+    stop_strings = sorted({s for e in environments for s in getattr(e, "stop_strings", ())})
+    for turn in range(sampling.max_turns):
+        live = [i for i, ep in enumerate(episodes) if not ep.done]
+        if not live:
+            break
+        budgets = [envs.effort_spec(episodes[i].task).think_budget
+                   if sampling.use_think_budget else None for i in live]
+        res = generate(model, [episodes[i].prompt_ids + episodes[i].response_ids for i in live],
+                       max_new_tokens=sampling.max_new_tokens,
+                       temperature=sampling.temperature, top_k=sampling.top_k,
+                       top_p=sampling.top_p, stop_token_ids=stop_ids,
+                       stop_strings=stop_strings, tokenizer=tokenizer, think_budget=budgets,
+                       seed=seed * 1000 + turn, row_ids=np.asarray(live, np.int32))
+        for j, i in enumerate(live):
+            ep = episodes[i]
+            toks, lps = res.tokens[j], res.logprobs[j]
+            ep.response_ids += toks
+            ep.response_mask += [1] * len(toks)
+            ep.sampler_logp += [float(x) for x in lps]
+            ep.finish = res.finish_reasons[j]
+            text = tokenizer.decode(toks, skip_special_tokens=False)
+            text = text.replace(tokenizer.eos_token or "\0", "")
+            ep.text += text
+            step = environments[i].step(text)
+            ep.turns += 1
+            ep.reward, ep.info = float(step.reward), dict(step.info)
+            if step.done or turn == sampling.max_turns - 1:
+                ep.done = True
+            elif step.observation:
+                obs = encode(tokenizer, step.observation)
+                ep.response_ids += obs
+                ep.response_mask += [0] * len(obs)
+                ep.sampler_logp += [0.0] * len(obs)
+    return episodes
+
+
+def cell_of(task: envs.Task) -> str:
+    return f"{task.domain}/{task.effort}"

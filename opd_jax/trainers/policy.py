@@ -1,0 +1,51 @@
+"""Pure steps for the policy trainers (GRPO and the OPD objectives).
+
+``policy_step(state, batch, teachers)`` takes one optimizer step on `batch` with the
+configured objective; ``batch_logprobs`` is the training-engine forward that recomputes
+old log-probs (IcePop compares it with the sampler's); ``teacher_outputs`` scores a batch
+with a teacher (sampled-token log-probs, or last-layer hidden states for the fused loss).
+All are pure functions of arrays; jit is applied by the caller in one place.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from opd_jax import losses
+from opd_jax.trainers.state import TrainState
+
+
+def policy_step(state: TrainState, batch: dict, teachers: tuple = (), *, graphdef, tx,
+                objective) -> tuple[TrainState, dict]:
+    def loss_fn(params):
+        model = nnx.merge(graphdef, params, state.rest)
+        return objective(model, batch, teachers)
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics) | {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def batch_logprobs(params, rest, batch: dict, *, graphdef) -> dict:
+    """Per-target log-probs and entropy under the training forward (fp32)."""
+    model = nnx.merge(graphdef, params, rest)
+    logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+    return {"logp": losses.token_logprobs(logits_BxTxV, batch["targets"]),
+            "entropy": losses.token_entropy(logits_BxTxV)}
+
+
+def teacher_outputs(params, rest, batch: dict, *, graphdef, kind: str = "logp") -> jax.Array:
+    """A teacher's view of its own batch: target log-probs [B, T] or hidden [B, T, E]."""
+    model = nnx.merge(graphdef, params, rest)
+    if kind == "hidden":
+        return model(batch["inputs"], segment_ids_BxT=batch["segment_ids"], return_hidden=True)
+    logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+    return losses.token_logprobs(logits_BxTxV, batch["targets"])
+
+
+def entropy_metric(entropy_BxT, mask_BxT) -> jax.Array:
+    return losses.masked_mean(entropy_BxT, mask_BxT.astype(jnp.float32))

@@ -1,0 +1,253 @@
+"""The policy-trainer driver: GRPO specialists and OPD students, from one config.
+
+Each iteration: take `prompts_per_step` tasks, play `group_size` episodes per task with the
+current student (rollout engine + environments), score them, then
+* grpo: group advantages (std or Dr.GRPO), optional DAPO dynamic sampling (groups with equal
+  rewards get zero mask) and overlong penalty;
+* OPD objectives: route each episode to its teacher by (domain, effort) (or a fixed map),
+  score the same tokens with the teacher (log-probs, or cached last-layer hidden states for
+  the full-vocab objective), grouped so each teacher runs once per iteration;
+recompute old log-probs with the training forward (IcePop/TIS compare them with the
+sampler's), then take `ppo_epochs x minibatches` optimizer steps. Checkpoints hold the
+train state and the task iterator; rollout seeds derive from (seed, iteration), so a
+resumed run replays the same samples.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from collections import defaultdict
+
+import grain
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from opd_jax import envs, losses
+from opd_jax import sharding as sh
+from opd_jax.checkpoint import Checkpointer, abstract_like
+from opd_jax.teachers import TeacherBank, TeacherSpec
+from opd_jax.trainers import builders
+from opd_jax.trainers.episodes import SamplingConfig, cell_of, encode, play
+from opd_jax.trainers.metrics import MetricsWriter
+from opd_jax.trainers.objectives import make_objective
+from opd_jax.trainers.policy import batch_logprobs, policy_step, teacher_outputs
+from opd_jax.trainers.run_sft import check_workdir
+from opd_jax.trainers.sequences import align_to_student, bucket, build_sequences
+from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
+
+
+def task_dataset(t: ml_collections.ConfigDict, batch: int) -> grain.IterDataset:
+    src = envs.grid_source(dict(t.families), tuple(t.efforts), size=t.size, seed=t.seed,
+                           difficulty=t.difficulty)
+    return grain.MapDataset.source(src).shuffle(seed=t.seed).repeat(None).batch(
+        batch, batch_fn=list).to_iter_dataset()
+
+
+def load_student(cfg, mesh, rules):
+    """init_from: an HF folder or an opd_jax run; empty: random init from cfg.model."""
+    if cfg.model.init_from:
+        model = TeacherSpec(cfg.model.init_from).load()
+        return sh.shard_model(model, mesh, rules)
+    return builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)
+
+
+def route(task: envs.Task, routing: str, table: dict) -> str:
+    """Teacher key of a task: by cell ("domain/effort"), by domain, or an explicit table."""
+    key = {"cell": cell_of(task), "domain": task.domain}.get(routing)
+    if routing == "table":
+        key = table.get(cell_of(task), table.get(task.domain))
+    if key is None:
+        raise KeyError(f"no teacher for (domain, effort) {cell_of(task)!r} under routing "
+                       f"{routing!r}")
+    return key
+
+
+class _TeacherScorer:
+    """Scores episodes with their teachers, one jitted forward per teacher per iteration."""
+
+    def __init__(self, bank: TeacherBank, tokenizer, kind: str):
+        self.bank, self.tokenizer, self.kind = bank, tokenizer, kind
+        self._fns = {}
+
+    def _fn(self, graphdef):
+        if graphdef not in self._fns:
+            self._fns[graphdef] = jax.jit(functools.partial(teacher_outputs, graphdef=graphdef,
+                                                            kind=self.kind))
+        return self._fns[graphdef]
+
+    def __call__(self, episodes, keys, student_seqs):
+        """Per key: teacher values aligned to student targets for the rows routed to it."""
+        B, T = student_seqs["targets"].shape
+        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
+        out = {}
+        for key in sorted(set(keys)):
+            rows = [b for b, k in enumerate(keys) if k == key]
+            teacher = self.bank.get(key)
+            graphdef, params, rest = nnx.split(teacher, nnx.Param, ...)
+            prompts = [bos + encode(self.tokenizer, envs.render_prompt(episodes[b].task,
+                                                                        role="teacher"))
+                       for b in range(B)]
+            # Score every row (fixed shapes: one compile per teacher shape), keep `rows`.
+            tseq = build_sequences(prompts, [e.response_ids for e in episodes],
+                                   seq_len=bucket(max(len(p) + len(e.response_ids) for p, e in
+                                                      zip(prompts, episodes)) - 1))
+            vals = self._fn(graphdef)(params, rest, tseq)
+            aligned = align_to_student(vals, jnp.asarray(tseq["prompt_len"]),
+                                       jnp.asarray(student_seqs["prompt_len"]), T)
+            out[key] = (rows, aligned, teacher.unembedding() if self.kind == "hidden" else None)
+        return out
+
+
+def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
+    mesh = sh.make_mesh(tuple(cfg.mesh.shape))
+    rules = tuple(tuple(r) for r in cfg.mesh.rules)
+    tokenizer = builders.build_tokenizer(cfg.tokenizer)
+    model = load_student(cfg, mesh, rules)
+    from opd_jax.models import check_tokenizer_fits
+    check_tokenizer_fits(tokenizer, model.config)
+    objective = make_objective(cfg.objective.name, **dict(cfg.objective.options))
+    is_opd = cfg.objective.name != "grpo"
+    bank = None
+    if is_opd:
+        bank = TeacherBank(dict(cfg.teachers.paths), max_loaded=cfg.teachers.max_loaded or None)
+        bank.validate(model.config.vocab_size)
+    model_meta = model.config.to_dict()
+    ckpt = check_workdir(workdir, model_meta)
+
+    tasks_ds = task_dataset(cfg.tasks, cfg.rollout.prompts_per_step)
+    task_iter = iter(tasks_ds)
+    steps = cfg.train.steps
+    n_updates = steps * cfg.rl.ppo_epochs * cfg.rl.minibatches
+    tx = make_optimizer(cfg.optim, n_updates)
+    graphdef, state = create_state(model, tx)
+    state, shardings = place_state(state, mesh, rules)
+    ref_params = None
+    if not is_opd and cfg.objective.options.get("kl_beta", 0.0) > 0:
+        ref_params = jax.tree.map(jnp.copy, state.params)
+    start = 0
+    if ckpt.latest_step() is not None:
+        state, _ = ckpt.restore(None, abstract_like(state), task_iter)
+        start = int(state.step) // (cfg.rl.ppo_epochs * cfg.rl.minibatches)
+    else:
+        os.makedirs(workdir, exist_ok=True)
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(cfg.to_dict(), f, indent=2, default=str)
+
+    rep = sh.replicated(mesh)
+    step_fns = {}
+
+    def step_fn(n_teachers):
+        if n_teachers not in step_fns:
+            step_fns[n_teachers] = compile_step(
+                functools.partial(policy_step, graphdef=graphdef, tx=tx, objective=objective),
+                shardings, mesh, extra_shardings=((rep,) * n_teachers,))
+        return step_fns[n_teachers]
+
+    logp_fn = jax.jit(functools.partial(batch_logprobs, graphdef=graphdef))
+    scorer = _TeacherScorer(bank, tokenizer, "hidden" if cfg.objective.name ==
+                            "deepseek_full_vocab" else "logp") if is_opd else None
+    sampling = SamplingConfig(**dict(cfg.rollout.sampling))
+    writer = MetricsWriter(workdir)
+    meta = {"model": model_meta, "kind": cfg.objective.name}
+    history = []
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc=cfg.objective.name,
+               disable=not progress or jax.process_index() != 0, dynamic_ncols=True)
+    try:
+        for it in bar:
+            t0 = time.time()
+            tasks = next(task_iter)
+            G = cfg.rollout.group_size
+            group_tasks = [t for t in tasks for _ in range(G)]
+            student = nnx.merge(graphdef, state.params, state.rest)
+            episodes = play(student, tokenizer, group_tasks, sampling,
+                            seed=cfg.seed * 100_003 + it)
+            rewards_B = np.asarray([e.reward for e in episodes], np.float32)
+            seqs = build_sequences([e.prompt_ids for e in episodes],
+                                   [e.response_ids for e in episodes],
+                                   response_masks=[e.response_mask for e in episodes],
+                                   sampler_logps=[e.sampler_logp for e in episodes],
+                                   seq_len=cfg.rollout.seq_len or None)
+            metrics = _reward_metrics(episodes)
+            batch = {k: v for k, v in seqs.items() if k not in ("prompt_len", "response_len")}
+            rewards_BxG = rewards_B.reshape(-1, G)
+            adv_B = np.asarray(losses.group_advantages(
+                jnp.asarray(rewards_BxG), scale=cfg.rl.adv_scale)).reshape(-1)
+            if cfg.rl.dynamic_sampling:
+                keep_B = np.repeat(np.asarray(losses.dapo_group_filter(
+                    jnp.asarray(rewards_BxG))), G).astype(np.int32)
+                batch["mask"] = batch["mask"] * keep_B[:, None]
+                metrics["dynamic_sampling/kept_frac"] = float(keep_B.mean())
+            batch["adv"] = adv_B.astype(np.float32)
+            teachers_W = ()
+            if is_opd:
+                keys = [route(e.task, cfg.teachers.routing, dict(cfg.teachers.table))
+                        for e in episodes]
+                scored = scorer(episodes, keys, seqs)
+                order = sorted(scored)
+                onehot = np.zeros((len(episodes), len(order)), np.float32)
+                for s, key in enumerate(order):
+                    onehot[scored[key][0], s] = 1.0
+                batch["teacher_onehot"] = onehot
+                if scorer.kind == "logp":
+                    tl = np.zeros(batch["mask"].shape, np.float32)
+                    for key in order:
+                        rows, vals, _ = scored[key]
+                        tl[rows] = np.asarray(vals)[rows]
+                    batch["teacher_logp"] = tl
+                else:
+                    batch["teacher_hidden"] = tuple(
+                        jnp.asarray(scored[k][1]) * jnp.asarray(onehot[:, s, None, None])
+                        for s, k in enumerate(order))
+                    batch["teacher_weights"] = onehot
+                    teachers_W = tuple(scored[k][2] for k in order)
+                metrics["teachers_loaded"] = float(len(bank.loaded()))
+            batch = sh.shard_batch(batch, mesh, rules)
+            lp = logp_fn(state.params, state.rest, batch)
+            batch["old_logp"] = lp["logp"]
+            metrics["entropy"] = float(losses.masked_mean(lp["entropy"], batch["mask"]))
+            if ref_params is not None:
+                batch["ref_logp"] = logp_fn(ref_params, state.rest, batch)["logp"]
+            B = len(episodes)
+            mb = B // cfg.rl.minibatches
+            rng = np.random.default_rng(cfg.seed * 7919 + it)
+            for _ in range(cfg.rl.ppo_epochs):
+                perm = rng.permutation(B)
+                for k in range(cfg.rl.minibatches):
+                    idx = np.sort(perm[k * mb:(k + 1) * mb])
+                    sub = jax.tree.map(lambda x: x[idx], batch)
+                    state, m = step_fn(len(teachers_W))(state, sub, teachers_W)
+            m = {k: float(v) for k, v in jax.device_get(m).items()}
+            metrics |= m
+            n_tok = sum(e.sampled_tokens for e in episodes)
+            metrics["tokens_per_s"] = n_tok / max(time.time() - t0, 1e-9)
+            done = it + 1
+            history.append({"step": done, **metrics})
+            if done % cfg.train.log_every == 0 or done == steps:
+                writer.write(done, metrics)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+            if done % cfg.train.ckpt_every == 0 or done == steps:
+                ckpt.save(int(state.step), state, task_iter, meta | {"iteration": done})
+    finally:
+        ckpt.close()
+        writer.close()
+    if bank is not None:
+        with open(os.path.join(workdir, "teacher_cache.json"), "w", encoding="utf-8") as f:
+            json.dump({"stats": bank.stats, "events": bank.events}, f, indent=2)
+    return {"history": history, "checkpoint": ckpt.directory,
+            "teacher_cache": bank.stats if bank else None}
+
+
+def _reward_metrics(episodes) -> dict:
+    by_cell = defaultdict(list)
+    for e in episodes:
+        by_cell[cell_of(e.task)].append(e.reward)
+    out = {"reward/mean": float(np.mean([e.reward for e in episodes])),
+           "response_len": float(np.mean([e.sampled_tokens for e in episodes]))}
+    out |= {f"reward/{c}": float(np.mean(v)) for c, v in by_cell.items()}
+    return out

@@ -1,0 +1,93 @@
+"""Train state, optimizer and the one place where jit, shardings and donation are applied.
+
+A model is split once into a static ``graphdef`` and array state; train steps are pure
+functions ``step(state, batch) -> (state, metrics)`` that rebuild the module with
+``nnx.merge(graphdef, state.params, state.rest)`` inside the trace.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from opd_jax import sharding as sh
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step reads and writes. ``rest`` holds non-trainable model variables."""
+    step: jax.Array
+    params: nnx.State
+    rest: nnx.State
+    opt_state: optax.OptState
+
+
+def make_optimizer(o: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+    """AdamW (or SGD) with linear warmup then cosine (or constant) decay and grad clipping."""
+    warmup = min(int(o.warmup_steps), max(total_steps - 1, 0))
+    if o.schedule == "cosine":
+        lr = optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=o.lr, warmup_steps=warmup,
+            decay_steps=max(total_steps, warmup + 1), end_value=o.lr * o.min_lr_ratio)
+    elif o.schedule == "constant":
+        lr = optax.join_schedules(
+            [optax.linear_schedule(0.0, o.lr, max(warmup, 1)), optax.constant_schedule(o.lr)],
+            [warmup])
+    else:
+        raise ValueError(f"optim.schedule {o.schedule!r}: expected 'cosine' or 'constant'")
+    if o.name == "adamw":
+        opt = optax.adamw(lr, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay)
+    elif o.name == "sgd":
+        opt = optax.sgd(lr)
+    else:
+        raise ValueError(f"optim.name {o.name!r}: expected 'adamw' or 'sgd'")
+    parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip and o.grad_clip > 0 else []
+    return optax.chain(*parts, opt)
+
+
+def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, params, rest
+
+
+def create_state(model: nnx.Module, tx: optax.GradientTransformation
+                 ) -> tuple[nnx.GraphDef, TrainState]:
+    graphdef, params, rest = split_model(model)
+    opt_state = tx.init(params)
+    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
+                                opt_state=opt_state)
+
+
+def state_shardings(state: TrainState, mesh: Mesh, rules=sh.DEFAULT_RULES) -> TrainState:
+    """Params and optimizer moments by logical axes; scalars (step, Adam count) replicated.
+
+    Optax moments mirror the param tree (with its NNX metadata), so the same rules apply.
+    """
+    return sh.state_shardings(state, mesh, rules)
+
+
+def place_state(state: TrainState, mesh: Mesh, rules=sh.DEFAULT_RULES
+                ) -> tuple[TrainState, TrainState]:
+    shardings = state_shardings(state, mesh, rules)
+    return jax.device_put(state, shardings), shardings
+
+
+def compile_step(step_fn: Callable, state_shardings_: Any, mesh: Mesh, *,
+                 extra_shardings: tuple = (), donate: bool = True) -> Callable:
+    """jit `step_fn(state, batch, *extra)` with shardings and state donation (the one jit site).
+
+    Batch leaves are [B, ...] arrays sharded over the `batch` logical axis; `extra` arguments
+    (e.g. teacher unembeddings) take `extra_shardings`; metrics come back replicated.
+    """
+    batch_sharding = NamedSharding(mesh, sh.logical_to_spec(("batch",), mesh=mesh))
+    return jax.jit(step_fn,
+                   in_shardings=(state_shardings_, batch_sharding, *extra_shardings),
+                   out_shardings=(state_shardings_, NamedSharding(mesh, P())),
+                   donate_argnums=(0,) if donate else ())

@@ -1,0 +1,129 @@
+"""SFT end to end: the step, sharded == unsharded, loss falls, kill -9 + resume is bitwise."""
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from opd_jax import sharding as sh
+from opd_jax.config import load_config
+from opd_jax.trainers import builders
+from opd_jax.trainers.run_sft import train_sft
+from opd_jax.trainers.sft import sft_step
+from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ["--config.model.hidden_size=64", "--config.model.intermediate_size=128",
+        "--config.model.num_layers=2", "--config.model.head_dim=16",
+        "--config.data.batch_size=8", "--config.data.seq_len=16", "--config.train.log_every=1"]
+
+
+def _cfg(*extra):
+    return load_config(os.path.join(ROOT, "configs/sft.py:tiny"), TINY + list(extra))
+
+
+def _one_step(cfg, mesh, grad_accum=1):
+    rules = sh.DEFAULT_RULES
+    tok = builders.build_tokenizer(cfg.tokenizer)
+    model = builders.build_model(cfg.model, mesh, rules, seed=0)
+    batch = next(iter(builders.build_sft_dataset(cfg.data, tok)))
+    tx = make_optimizer(cfg.optim, 10)
+    graphdef, state = create_state(model, tx)
+    state, shardings = place_state(state, mesh, rules)
+    step = compile_step(functools.partial(sft_step, graphdef=graphdef, tx=tx,
+                                          grad_accum=grad_accum), shardings, mesh)
+    state, metrics = step(state, sh.shard_batch(batch, mesh, rules))
+    return jax.device_get(state.params), jax.device_get(metrics)
+
+
+def _assert_trees_close(a, b, tol):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+@pytest.fixture(scope="module")
+def single_device_step():
+    return _one_step(_cfg(), sh.make_mesh((1, 1, 1), devices=jax.devices()[:1]))
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
+def test_sharded_step_equals_unsharded(shape, single_device_step):
+    params, metrics = _one_step(_cfg(), sh.make_mesh(shape))
+    ref_params, ref_metrics = single_device_step
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+    _assert_trees_close(params, ref_params, 1e-5)
+
+
+def test_grad_accumulation_is_exact(single_device_step):
+    mesh = sh.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    params, metrics = _one_step(_cfg("--config.optim.grad_accum=4"), mesh, grad_accum=4)
+    ref_params, ref_metrics = single_device_step
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+    _assert_trees_close(params, ref_params, 1e-5)
+
+
+def test_loss_falls_and_checkpoints(tmp_path):
+    cfg = _cfg("--config.train.steps=60", "--config.train.ckpt_every=30",
+               "--config.optim.warmup_steps=5")
+    out = train_sft(cfg, str(tmp_path), progress=False)
+    from opd_jax.trainers.metrics import read_metrics
+    losses = [m["loss"] for m in read_metrics(str(tmp_path))]
+    assert out["step"] == 60 and len(losses) == 60
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["30", "60"]
+    assert (tmp_path / "config.json").exists() and (tmp_path / "tb").is_dir()
+
+
+def test_workdir_of_a_different_model_is_refused(tmp_path):
+    train_sft(_cfg("--config.train.steps=2", "--config.train.ckpt_every=2"), str(tmp_path),
+              progress=False)
+    before = sorted(os.listdir(tmp_path / "checkpoints"))
+    with pytest.raises(ValueError, match="holds a checkpoint of a different model "
+                                         "\\(differs in: num_layers\\)"):
+        train_sft(_cfg("--config.train.steps=4", "--config.model.num_layers=3"), str(tmp_path),
+                  progress=False)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == before
+
+
+def _final_params(workdir, step):
+    restored = ocp.StandardCheckpointer().restore(
+        os.path.join(workdir, "checkpoints", str(step), "state"))
+    return restored["params"]
+
+
+def _cli(workdir, steps, *extra):
+    return [sys.executable, "-m", "opd_jax", "sft", "--config",
+            os.path.join(ROOT, "configs/sft.py:tiny"), "--workdir", str(workdir),
+            "--no-progress", f"--config.train.steps={steps}", "--config.train.ckpt_every=4",
+            *TINY, *extra]
+
+
+def test_sigkill_then_resume_is_bitwise(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    steps = 16
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    subprocess.run(_cli(full, steps), env=env, check=True, capture_output=True)
+
+    proc = subprocess.Popen(_cli(killed, steps), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "4").is_dir():      # appears only once complete
+        assert proc.poll() is None and time.time() < deadline, "run ended before checkpoint 4"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = sorted(int(s) for s in os.listdir(killed / "checkpoints") if s.isdigit())
+    assert done[-1] < steps, "the kill came too late to test anything"
+
+    subprocess.run(_cli(killed, steps), env=env, check=True, capture_output=True)
+    a, b = _final_params(full, steps), _final_params(killed, steps)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
