@@ -5,7 +5,8 @@
 Prints, for value-and-grad of the mean fused reverse KL (per-token op "xla", and the
 one-pass weighted loss "xla-onepass") and of a clipped-log-ratio loss: peak temporary memory from jit(...).lower(...).compile().memory_analysis() and
 the median wall time, with xla/reference ratios. Targets: >= 16x less temp memory,
-time <= 1.5x reference. D=512 (student and teacher), V=151,936, fp32.
+time <= 1.5x reference. Timed calls alternate between
+implementations (the CPU is shared). D=512 (student and teacher), V=151,936, fp32.
 """
 from __future__ import annotations
 
@@ -37,15 +38,17 @@ def make_loss(kind: str, impl: str, chunk_v: int):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def measure(fn, args, reps: int):
-    temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
+def measure(fns: dict, args, reps: int):
+    """AOT-compile every impl, then time them round-robin (fair under a shared, noisy CPU)."""
+    compiled = {k: fn.lower(*args).compile() for k, fn in fns.items()}
+    temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
+    times = {k: [] for k in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return temp, statistics.median(times)
+        for k, c in compiled.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(c(*args))
+            times[k].append(time.perf_counter() - t0)
+    return {k: (temps[k], statistics.median(times[k])) for k in fns}
 
 
 def main():
@@ -66,10 +69,11 @@ def main():
                       jax.random.normal(ks[2], (n, args.d)), jax.random.normal(ks[3], (args.d, V)) * 0.05,
                       jax.random.randint(ks[4], (n,), 0, V))
             impls = ("reference", "xla", "xla-onepass") if kind == "reverse_kl" else ("reference", "xla")
-            t_ref, s_ref = measure(make_loss(kind, "reference", args.chunk_v), inputs, args.reps)
+            res = measure({i: make_loss(kind, i, args.chunk_v) for i in impls}, inputs, args.reps)
+            t_ref, s_ref = res["reference"]
             print(f"{kind:<18} {n:>5} {'reference':<11} {t_ref / 2**20:>9.1f} {s_ref:>9.2f}", flush=True)
             for impl in impls[1:]:
-                t_x, s_x = measure(make_loss(kind, impl, args.chunk_v), inputs, args.reps)
+                t_x, s_x = res[impl]
                 print(f"{kind:<18} {n:>5} {impl:<11} {t_x / 2**20:>9.1f} {s_x:>9.2f} "
                       f"{t_ref / t_x:>9.1f}x {s_x / s_ref:>9.2f}x", flush=True)
 

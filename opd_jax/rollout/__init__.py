@@ -1,0 +1,20 @@
+"""Rollout engine: a jit sampler with KV cache, per-token sampler log-probs, stop ids and
+strings, per-row max_new_tokens and think budgets, pause/resume, a token write-ahead log,
+and a multi-turn environment driver.
+
+    from opd_jax.rollout import generate
+    res = generate(model, [[1, 5, 7]], max_new_tokens=32, temperature=0.7, seed=0)
+    res.tokens, res.logprobs, res.finish_reasons
+"""
+from opd_jax.rollout.api import (GenerateResult, align_right, generate, resume, sample,
+                                 stop_sequences, think_ids, to_result)
+from opd_jax.rollout.engine import RolloutBatch, RolloutState, decode, extend, init_state, pack
+from opd_jax.rollout.sampling import (NO_BUDGET, FinishReason, SamplingParams, process_logits,
+                                      sample_logits)
+
+__all__ = [
+    "generate", "sample", "resume", "GenerateResult", "RolloutBatch", "RolloutState",
+    "SamplingParams", "FinishReason", "NO_BUDGET", "process_logits", "sample_logits",
+    "init_state", "extend", "decode", "pack", "align_right", "stop_sequences", "think_ids",
+    "to_result",
+]

@@ -1,0 +1,151 @@
+"""Token sampling: temperature, top-k, top-p, greedy, and the log-prob the sampler used.
+
+Letters: B batch, V vocab, N stop ids, Q stop sequences, M stop-sequence length.
+
+    params = SamplingParams.create(B, temperature=0.7, top_p=0.9, stop_token_ids=[2])
+    token_B, logp_B = sample_logits(logits_BxV, u_B, params)
+
+All knobs are arrays (traced under jit), so changing temperature, top-k, top-p or stop ids
+never recompiles; only the *shapes* (B, N, Q, M) are part of the compiled program.
+"""
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+F32 = jnp.float32
+NO_TOKEN = -1  # padding in stop-id / stop-sequence tables: never equals a real token
+MAX_STOP_IDS, MAX_STOP_SEQS, MAX_STOP_LEN = 8, 4, 8  # default table shapes (grow on demand)
+NO_BUDGET = np.iinfo(np.int32).max
+
+
+class FinishReason(enum.IntEnum):
+    """Why a row stopped. RUNNING only appears in mid-generation state."""
+    RUNNING = 0
+    STOP = 1    # sampled a stop id or completed a stop string (included in the output)
+    LENGTH = 2  # hit its max_new_tokens or the end of the cache
+    BUDGET = 3  # paused by the per-call step budget; resumable
+
+
+def _bucket(n: int, floor: int) -> int:
+    """Smallest power of two >= max(n, floor): table shapes change rarely."""
+    size = floor
+    while size < n:
+        size *= 2
+    return size
+
+
+@struct.dataclass
+class SamplingParams:
+    """Per-row sampling knobs and stop tables, all traced.
+
+    temperature_B: 0 means greedy. top_k_B: 0 means off. top_p_B: 1 means off.
+    stop_ids_N: token ids that end a row (NO_TOKEN padded). stop_seqs_QxM: token sequences
+    that end a row, right-aligned and NO_TOKEN padded on the left; stop_seq_len_Q their
+    lengths (0 = unused). think_ids_2: (<think>, </think>) ids or NO_TOKEN.
+    """
+    temperature_B: jax.Array
+    top_k_B: jax.Array
+    top_p_B: jax.Array
+    stop_ids_N: jax.Array
+    stop_seqs_QxM: jax.Array
+    stop_seq_len_Q: jax.Array
+    think_ids_2: jax.Array
+
+    @classmethod
+    def create(cls, batch: int, *, temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=(),
+               stop_sequences=(), think_ids=(NO_TOKEN, NO_TOKEN)) -> "SamplingParams":
+        """Scalars broadcast to [B]; stop tables padded to power-of-two shapes (>= 8/4/8)."""
+        temp = np.broadcast_to(np.asarray(temperature, np.float32), (batch,))
+        top_k = np.broadcast_to(np.asarray(top_k, np.int32), (batch,))
+        top_p = np.broadcast_to(np.asarray(top_p, np.float32), (batch,))
+        if (temp < 0).any() or not np.isfinite(temp).all():
+            raise ValueError(f"temperature={temperature}: expected finite values >= 0")
+        if (top_k < 0).any():
+            raise ValueError(f"top_k={top_k.tolist()}: expected >= 0 (0 = off)")
+        if ((top_p <= 0) | (top_p > 1)).any():
+            raise ValueError(f"top_p={top_p.tolist()}: expected values in (0, 1]")
+        stop_ids = [int(t) for t in stop_token_ids]
+        if any(t < 0 for t in stop_ids):
+            raise ValueError(f"stop_token_ids={stop_ids}: expected ids >= 0")
+        seqs = [list(map(int, s)) for s in stop_sequences]
+        if any(len(s) == 0 for s in seqs):
+            raise ValueError("a stop sequence is empty; expected at least one token")
+        ids_N = np.full(_bucket(len(stop_ids), MAX_STOP_IDS), NO_TOKEN, np.int32)
+        ids_N[:len(stop_ids)] = stop_ids
+        M = _bucket(max((len(s) for s in seqs), default=0), MAX_STOP_LEN)
+        seqs_QxM = np.full((_bucket(len(seqs), MAX_STOP_SEQS), M), NO_TOKEN, np.int32)
+        lens_Q = np.zeros(seqs_QxM.shape[0], np.int32)
+        for i, s in enumerate(seqs):
+            seqs_QxM[i, M - len(s):] = s
+            lens_Q[i] = len(s)
+        return cls(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p),
+                   jnp.asarray(ids_N), jnp.asarray(seqs_QxM), jnp.asarray(lens_Q),
+                   jnp.asarray(np.asarray(think_ids, np.int32).reshape(2)))
+
+
+def _filter_sorted(logits_BxV, top_k_B, top_p_B):
+    """Mask (to -inf) tokens outside the top-k, then outside the top-p nucleus of the
+    renormalised top-k distribution (the HF order). Ties at the cut are broken by index."""
+    B, V = logits_BxV.shape
+    order_BxV = jnp.argsort(-logits_BxV, axis=-1, stable=True)
+    sorted_BxV = jnp.take_along_axis(logits_BxV, order_BxV, axis=-1)
+    rank_V = jnp.arange(V, dtype=jnp.int32)
+    k_B = jnp.where(top_k_B > 0, top_k_B, V)
+    keep_BxV = rank_V[None] < k_B[:, None]
+    sorted_BxV = jnp.where(keep_BxV, sorted_BxV, -jnp.inf)
+    p_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+    # keep token i if the mass strictly before it is < top_p (the first token always stays)
+    before_BxV = jnp.cumsum(p_BxV, axis=-1) - p_BxV
+    keep_BxV = keep_BxV & ((before_BxV < top_p_B[:, None]) | (rank_V[None] == 0))
+    keep_unsorted_BxV = jnp.zeros((B, V), bool).at[
+        jnp.arange(B)[:, None], order_BxV].set(keep_BxV)
+    return jnp.where(keep_unsorted_BxV, logits_BxV, -jnp.inf)
+
+
+def process_logits(logits_BxV, params: SamplingParams) -> jax.Array:
+    """The sampler's log-distribution: log_softmax(filter(logits / T)) in fp32.
+
+    Greedy rows (T = 0) keep T = 1 here; `sample_logits` takes their argmax and reports a
+    log-prob of 0 (a point mass). The sort only runs when some row uses top-k or top-p.
+    """
+    logits_BxV = logits_BxV.astype(F32)
+    temp_B = params.temperature_B
+    scaled_BxV = logits_BxV / jnp.where(temp_B > 0, temp_B, 1.0)[:, None]
+    needs_sort = jnp.any((params.top_k_B > 0) | (params.top_p_B < 1.0))
+    filtered_BxV = lax.cond(needs_sort,
+                            lambda x: _filter_sorted(x, params.top_k_B, params.top_p_B),
+                            lambda x: x, scaled_BxV)
+    return jax.nn.log_softmax(filtered_BxV, axis=-1)
+
+
+def sample_logits(logits_BxV, u_B, params: SamplingParams):
+    """Sample one token per row by inverse CDF with the uniform u_B in [0, 1).
+
+    Returns (token_B, logp_B) where logp_B = log p_sampler(token) under the processed
+    distribution (temperature, then top-k, then top-p); greedy rows give argmax, logp 0.
+    Example: logits [0, log 3], T=1, u=0.3 -> token 1 (cdf [0.25, 1.0]), logp log 0.75.
+    """
+    logp_BxV = process_logits(logits_BxV, params)
+    cdf_BxV = jnp.cumsum(jnp.exp(logp_BxV), axis=-1)
+    threshold_B = u_B.astype(F32) * cdf_BxV[:, -1]
+    # first index whose cdf exceeds the threshold; zero-probability tokens never qualify
+    sampled_B = jnp.sum(cdf_BxV <= threshold_B[:, None], axis=-1).astype(jnp.int32)
+    sampled_B = jnp.minimum(sampled_B, logits_BxV.shape[-1] - 1)
+    greedy_B = params.temperature_B <= 0
+    token_B = jnp.where(greedy_B, jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32), sampled_B)
+    logp_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
+    return token_B, jnp.where(greedy_B, 0.0, logp_B)
+
+
+def row_uniforms(key, row_ids_B, positions_B):
+    """u_B ~ U[0, 1) from the stream (key, row id, position): independent of batch
+    composition, padding and pauses, so a resumed row draws the same numbers."""
+    def one(row, pos):
+        return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, row), pos))
+    return jax.vmap(one)(row_ids_B, positions_B)

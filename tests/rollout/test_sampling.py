@@ -1,0 +1,85 @@
+"""Sampling rules against their definitions: chi-square on a small vocabulary, greedy, errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from opd_jax.rollout import SamplingParams, process_logits, sample_logits
+
+LOGITS_V = np.log(np.array([0.30, 0.25, 0.15, 0.12, 0.10, 0.05, 0.03], np.float64))
+N = 20_000
+
+
+def reference_probs(logits_V, temperature=1.0, top_k=0, top_p=1.0):
+    """numpy spec: softmax(logits / T), keep top-k, renormalise, keep the smallest prefix
+    of the sorted list whose mass reaches top_p, renormalise."""
+    p = np.exp(logits_V / temperature - np.max(logits_V / temperature))
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros_like(p, bool)
+    keep[order[:top_k or len(p)]] = True
+    q = np.where(keep, p, 0.0) / p[keep].sum()
+    mass = 0.0
+    for i in order:
+        if not keep[i]:
+            continue
+        if mass >= top_p:
+            keep[i] = False
+        mass += q[i]
+    q = np.where(keep, q, 0.0)
+    return q / q.sum()
+
+
+@jax.jit
+def draw(logits_V, u_N, temperature, top_k, top_p):
+    params = SamplingParams.create(1, temperature=1.0)
+    params = params.replace(temperature_B=jnp.full((N,), temperature),
+                            top_k_B=jnp.full((N,), top_k, jnp.int32),
+                            top_p_B=jnp.full((N,), top_p))
+    return sample_logits(jnp.broadcast_to(logits_V, (N, logits_V.shape[0])), u_N, params)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [
+    (1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.6),
+    (0.7, 5, 0.8)])
+def test_chi_square_matches_definition(temperature, top_k, top_p):
+    u_N = jax.random.uniform(jax.random.key(7), (N,))
+    tok_N, logp_N = draw(jnp.asarray(LOGITS_V, jnp.float32), u_N, temperature, top_k, top_p)
+    expected = reference_probs(LOGITS_V, temperature, top_k, top_p)
+    counts = np.bincount(np.asarray(tok_N), minlength=len(LOGITS_V))
+    support = expected > 0
+    assert counts[~support].sum() == 0  # never a filtered token
+    assert stats.chisquare(counts[support], N * expected[support]).pvalue > 1e-3
+    # returned log-probs are those of the processed distribution
+    np.testing.assert_allclose(np.asarray(logp_N), np.log(expected[np.asarray(tok_N)]),
+                               atol=1e-5)
+    if top_k or top_p < 1:  # power check: the unfiltered distribution is rejected
+        plain = reference_probs(LOGITS_V, temperature)
+        assert stats.chisquare(counts, N * plain).pvalue < 1e-6 or counts[~support].sum()
+
+
+def test_greedy_and_process_logits():
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 11)), jnp.float32)
+    params = SamplingParams.create(3, temperature=[0.0, 1.0, 0.5], top_k=[0, 2, 0],
+                                   top_p=[1.0, 1.0, 0.5])
+    tok, logp = sample_logits(logits, jnp.array([0.5, 0.999, 0.0]), params)
+    assert int(tok[0]) == int(jnp.argmax(logits[0])) and float(logp[0]) == 0.0
+    lp = np.asarray(process_logits(logits, params))
+    assert np.isfinite(lp[1]).sum() == 2 and np.isclose(np.exp(lp[1]).sum(), 1.0, atol=1e-6)
+    np.testing.assert_allclose(lp[1, int(tok[1])], float(logp[1]), atol=1e-6)
+    kept = np.flatnonzero(np.isfinite(lp[2]))  # inverse CDF: u=0 takes the first kept id
+    assert int(tok[2]) == kept[0] and int(jnp.argmax(logits[2])) in kept
+
+
+def test_params_errors():
+    with pytest.raises(ValueError, match=r"temperature=-1.0: expected finite values >= 0"):
+        SamplingParams.create(2, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"top_p=\[0.0, 0.0\]: expected values in \(0, 1\]"):
+        SamplingParams.create(2, top_p=0.0)
+    with pytest.raises(ValueError, match=r"top_k=\[-1, -1\]"):
+        SamplingParams.create(2, top_k=-1)
+    with pytest.raises(ValueError, match="stop sequence is empty"):
+        SamplingParams.create(2, stop_sequences=[[]])
+    p = SamplingParams.create(2, stop_token_ids=list(range(9)), stop_sequences=[[1] * 9])
+    assert p.stop_ids_N.shape == (16,) and p.stop_seqs_QxM.shape == (4, 16)
