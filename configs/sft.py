@@ -7,7 +7,8 @@ Run (tiny model, built-in synthetic task, CPU, about a minute):
 prints a progress bar and the masked token loss falling from ~4 to below 0.5, then where the
 final checkpoint went. Re-running the same command resumes from the latest checkpoint.
 
-Presets: ``tiny`` (default, CPU), ``jsonl`` (your data: set --config.data.path and
+Presets: ``tiny`` (default, CPU), ``tasks`` (cold start on the built-in tasks' demos,
+for RL and OPD), ``jsonl`` (your data: set --config.data.path and
 --config.tokenizer), ``qwen3_1p7b`` (an HF checkpoint folder; set --config.model.init_from).
 Any key can be overridden, e.g. ``--config.optim.lr=1e-3 --config.train.steps=50``.
 """
@@ -44,6 +45,11 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
 
     if arg == "tiny":
         pass
+    elif arg == "tasks":                 # cold start for RL: demos of the built-in tasks
+        c.data.source = "tasks"
+        c.data.seq_len = 64
+        c.train.steps = 300
+        c.train.ckpt_every = 100
     elif arg == "jsonl":
         c.data.source = "jsonl"
         c.data.seq_len = 512
@@ -62,5 +68,5 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         c.train.ckpt_every = 200
         c.mesh.shape = (1, -1, 1)
     else:
-        raise KeyError(f"presets are tiny, jsonl, qwen3_1p7b; got {arg!r}")
+        raise KeyError(f"presets are tiny, tasks, jsonl, qwen3_1p7b; got {arg!r}")
     return c

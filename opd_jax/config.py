@@ -6,7 +6,8 @@
   called; ``arg`` picks a preset.
 * ``--config.a.b=value`` — overrides; the value is parsed as a Python literal (falling back to
   a string) and must match the type already there (ints widen to floats). Unknown keys are
-  errors: configs are locked, so a typo cannot silently add a field.
+  errors: configs are locked, so a typo cannot silently add a field. A dict literal
+  replaces a whole section (for maps such as ``teachers.paths``).
 
 Every problem raises :class:`ConfigError` with a one-line message naming the key or file.
 """
@@ -85,8 +86,13 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
         raise ConfigError(f"unknown config key {dotted!r}{_suggest(leaf, node)}")
     old = node[leaf]
     if isinstance(old, ml_collections.ConfigDict):
+        if isinstance(value, dict):     # maps (teacher paths, task families) are replaced whole
+            with node.unlocked():
+                node[leaf] = ml_collections.ConfigDict(value)
+            node[leaf].lock()
+            return
         raise ConfigError(f"config key {dotted!r} is a section; set one of its keys "
-                          f"({', '.join(sorted(old.keys()))})")
+                          f"({', '.join(sorted(old.keys()))}) or give a dict to replace it")
     value = _coerce(dotted, old, value)
     try:
         with node.unlocked():

@@ -161,6 +161,11 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, rules: Rules = DEFAULT_RULES) -> N
     return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh))
 
 
+def batch_shards(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
+    """How many ways the `batch` logical axis is split on `mesh`."""
+    return math.prod(mesh.shape[a] for a in _axes(logical_to_spec(("batch",), rules, mesh)[0]))
+
+
 def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
     """device_put every [B, ...] leaf of `batch` with its batch sharding.
 

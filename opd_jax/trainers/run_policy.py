@@ -104,6 +104,12 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     from opd_jax.models import check_tokenizer_fits
     check_tokenizer_fits(tokenizer, model.config)
     objective = make_objective(cfg.objective.name, **dict(cfg.objective.options))
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    n_batch_devices = sh.batch_shards(mesh, rules)
+    if rows % cfg.rl.minibatches or (rows // cfg.rl.minibatches) % n_batch_devices:
+        raise ValueError(f"prompts_per_step x group_size = {rows} rows in {cfg.rl.minibatches} "
+                         f"minibatch(es) must split evenly over the {n_batch_devices} "
+                         f"batch devices of mesh {dict(mesh.shape)}")
     is_opd = cfg.objective.name != "grpo"
     bank = None
     if is_opd:
@@ -168,8 +174,11 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
             metrics = _reward_metrics(episodes)
             batch = {k: v for k, v in seqs.items() if k not in ("prompt_len", "response_len")}
             rewards_BxG = rewards_B.reshape(-1, G)
-            adv_B = np.asarray(losses.group_advantages(
-                jnp.asarray(rewards_BxG), scale=cfg.rl.adv_scale)).reshape(-1)
+            if G > 1:
+                adv_B = np.asarray(losses.group_advantages(
+                    jnp.asarray(rewards_BxG), scale=cfg.rl.adv_scale)).reshape(-1)
+            else:   # group size 1 (OPD): a batch-mean baseline for any task-reward mix
+                adv_B = rewards_B - rewards_B.mean()
             if cfg.rl.dynamic_sampling:
                 keep_B = np.repeat(np.asarray(losses.dapo_group_filter(
                     jnp.asarray(rewards_BxG))), G).astype(np.int32)
@@ -212,7 +221,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                 perm = rng.permutation(B)
                 for k in range(cfg.rl.minibatches):
                     idx = np.sort(perm[k * mb:(k + 1) * mb])
-                    sub = jax.tree.map(lambda x: x[idx], batch)
+                    sub = sh.shard_batch(jax.tree.map(lambda x: x[idx], batch), mesh, rules)
                     state, m = step_fn(len(teachers_W))(state, sub, teachers_W)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             metrics |= m

@@ -16,6 +16,12 @@ def test_presets_and_overrides():
     assert load_config(f"{SFT}:jsonl").data.source == "jsonl"
 
 
+def test_dict_replaces_a_map_section():
+    cfg = load_config("configs/opd.py:kimi_mopd",
+                      ["--config.teachers.paths={'general/max': 'runs/a', 'coding/max': 'runs/b'}"])
+    assert dict(cfg.teachers.paths) == {"general/max": "runs/a", "coding/max": "runs/b"}
+
+
 def test_int_widens_to_float():
     cfg = load_config(SFT, ["--config.optim.lr=1"])
     assert isinstance(cfg.optim.lr, float) and cfg.optim.lr == 1.0
@@ -27,6 +33,7 @@ def test_int_widens_to_float():
     ("--config.train.steps=abc", "'train.steps' expects int, got str 'abc'"),
     ("--config.train.steps=1.5", "'train.steps' expects int, got float"),
     ("--config.optim=3", "is a section"),
+    ("--config.optim.lr={'a': 1}", "'optim.lr' expects float, got dict"),
     ("--config.optim.lr", "expected --config.key=value"),
 ])
 def test_bad_overrides(override, match):
