@@ -1,11 +1,12 @@
 """Supervised fine-tuning (SFT).
 
-Run (tiny model, built-in synthetic task, CPU, about a minute):
+Run (a 0.4M-parameter model, built-in 2-digit addition task, CPU, 1-2 minutes after the
+first compile):
 
     opd-jax sft --config configs/sft.py:tiny --workdir runs/sft_tiny
 
-prints a progress bar and the masked token loss falling from ~4 to below 0.5, then where the
-final checkpoint went. Re-running the same command resumes from the latest checkpoint.
+prints a progress bar with the masked token loss falling from ~4.8 to ~1.0 in 200 steps,
+then where the final checkpoint went. Re-running the same command resumes from the latest checkpoint.
 
 Presets: ``tiny`` (default, CPU), ``tasks`` (cold start on the built-in tasks' demos,
 for RL and OPD), ``jsonl`` (your data: set --config.data.path and
