@@ -43,7 +43,7 @@ class Layout:
 def _local_forward(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, *, cfg, layout):
     axis = layout.vocab_axis
     offset = jax.lax.axis_index(axis) * w_s_DxV.shape[1]
-    backend = driver._backend(cfg.implementation)
+    backend = driver.backend_module(cfg.implementation)
     parts = backend.stats(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N - offset, cfg)
     lse_s, lse_t, ekl, s_y, t_y = common.combine_partial_stats(
         parts, lambda x: jax.lax.pmax(x, axis), lambda x: jax.lax.psum(x, axis))
