@@ -3,10 +3,11 @@
     PYTHONPATH=. python benchmarks/fused_kl.py [--n 1024 4096] [--reps 3]
 
 Prints, for value-and-grad of the mean fused reverse KL (per-token op "xla", and the
-one-pass weighted loss "xla-onepass") and of a clipped-log-ratio loss: peak temporary memory from jit(...).lower(...).compile().memory_analysis() and
-the median wall time, with xla/reference ratios. Targets: >= 16x less temp memory,
-time <= 1.5x reference. Timed calls alternate between
-implementations (the CPU is shared). D=512 (student and teacher), V=151,936, fp32.
+one-pass weighted loss "xla-onepass") and of a clipped-log-ratio loss: peak temporary
+memory from jit(...).lower(...).compile().memory_analysis() and the median wall time,
+with xla/reference ratios. Targets: >= 16x less temp memory, time <= 1.5x reference.
+Timed calls alternate between implementations (the CPU is shared).
+D=512 (student and teacher), V=151,936, fp32.
 """
 from __future__ import annotations
 

@@ -6,4 +6,5 @@
 from pallas_kernels.api import fused_clipped_log_ratio, fused_reverse_kl, fused_reverse_kl_loss
 from pallas_kernels.reference import clipped_log_ratio_reference, reverse_kl_reference
 
-__all__ = ["fused_reverse_kl", "fused_reverse_kl_loss", "fused_clipped_log_ratio", "reverse_kl_reference", "clipped_log_ratio_reference"]
+__all__ = ["fused_reverse_kl", "fused_reverse_kl_loss", "fused_clipped_log_ratio", "reverse_kl_reference",
+           "clipped_log_ratio_reference"]

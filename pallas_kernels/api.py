@@ -13,11 +13,11 @@ import jax.numpy as jnp
 from pallas_kernels import common, driver, onepass, reference
 
 
-def _config(implementation, mode, temperature, block_n, block_v, block_d, chunk_v, interpret):
+def _config(implementation, mode, temperature, block_n, block_v, block_d, chunk_v, interpret, vocab_splits=0):
     cfg = common.Config(implementation=common.resolve_implementation(implementation), mode=mode,
                         temperature=float(temperature) if isinstance(temperature, (int, float)) else temperature,
                         block_n=block_n, block_v=block_v, block_d=block_d, chunk_v=chunk_v,
-                        interpret=interpret)
+                        interpret=interpret, vocab_splits=vocab_splits)
     common.check_config(cfg)
     return cfg
 
@@ -43,7 +43,7 @@ def _apply_mask(mask_N, h_s_NxD, h_t_NxE, y_N):
 def fused_reverse_kl(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, *, mask_N=None, temperature: float = 1.0,
                      implementation: str = "auto", block_n: int = 64, block_v: int = 128,
                      block_d: int = 128, chunk_v: int = 8192, interpret: bool | None = None,
-                     mesh=None, vocab_axis: str = "tensor", token_axis=None):
+                     vocab_splits: int = 0, mesh=None, vocab_axis: str = "tensor", token_axis=None):
     """Per-token reverse KL(p_s || p_t) in fp32, p = softmax(h W / temperature), STUDENT FIRST.
 
     KL_n = sum_v p_s,nv (log p_s,nv - log p_t,nv). Differentiable in h_s and w_s; the
@@ -55,7 +55,7 @@ def fused_reverse_kl(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, *, mask_N=None, tempera
     >>> loss = jnp.sum(kl_N * mask_N) / jnp.sum(mask_N)
     """
     n, _ = common.check_inputs(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, None, mask_N)
-    cfg = _config(implementation, "kl", temperature, block_n, block_v, block_d, chunk_v, interpret)
+    cfg = _config(implementation, "kl", temperature, block_n, block_v, block_d, chunk_v, interpret, vocab_splits)
     h_s_NxD, h_t_NxE, _ = _apply_mask(mask_N, h_s_NxD, h_t_NxE, None)
     if cfg.implementation == "reference":
         kl_N = reference.reverse_kl_reference(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, temperature=cfg.temperature)
@@ -69,7 +69,7 @@ def fused_clipped_log_ratio(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, targets_N, *, r_
                             mask_N=None, temperature: float = 1.0, implementation: str = "auto",
                             block_n: int = 64, block_v: int = 128, block_d: int = 128,
                             chunk_v: int = 8192, interpret: bool | None = None,
-                            mesh=None, vocab_axis: str = "tensor", token_axis=None):
+                            vocab_splits: int = 0, mesh=None, vocab_axis: str = "tensor", token_axis=None):
     """(logp_s(y), logp_t(y), r) per token, r = clip(sg(logp_t - logp_s), -r_max, r_max).
 
     Gradient flows only through logp_s (d logp_s / d s_v = 1[v = y] - p_v); logp_t and r
@@ -82,7 +82,8 @@ def fused_clipped_log_ratio(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, targets_N, *, r_
     n, _ = common.check_inputs(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, targets_N, mask_N)
     if not (isinstance(r_max, (int, float)) and r_max > 0):
         raise ValueError(f"r_max={r_max!r}; expected a float > 0")
-    cfg = _config(implementation, "logratio", temperature, block_n, block_v, block_d, chunk_v, interpret)
+    cfg = _config(implementation, "logratio", temperature, block_n, block_v, block_d, chunk_v, interpret,
+                  vocab_splits)
     h_s_NxD, h_t_NxE, y_N = _apply_mask(mask_N, h_s_NxD, h_t_NxE, targets_N.astype(jnp.int32))
     if cfg.implementation == "reference":
         lp_s, lp_t, r = reference.clipped_log_ratio_reference(

@@ -35,6 +35,7 @@ class Config:
     block_v: int = 128
     block_d: int = 128
     chunk_v: int = 8192  # vocab chunk of the backward (and of the xla forward)
+    vocab_splits: int = 0  # triton forward: programs per token block along V (0: auto)
     interpret: bool | None = None  # None: interpret exactly when running on CPU
 
 
@@ -82,6 +83,8 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"temperature={cfg.temperature!r}; expected a finite float > 0")
     if cfg.mode not in MODES:
         raise ValueError(f"mode={cfg.mode!r}; expected one of {MODES}")
+    if not (isinstance(cfg.vocab_splits, int) and cfg.vocab_splits >= 0):
+        raise ValueError(f"vocab_splits={cfg.vocab_splits!r}; expected an int >= 0 (0: auto)")
     for name in ("block_n", "block_v", "block_d", "chunk_v"):
         value = getattr(cfg, name)
         if not (isinstance(value, int) and value > 0):
@@ -144,7 +147,28 @@ def update_stats(stats, s_BxC, t_BxC, hit_BxC):
 def finalize_stats(stats):
     """-> (lse_s, lse_t, E_p[s - t], s_y, t_y)."""
     m_s, l_s, m_t, l_t, a, s_y, t_y = stats
-    return m_s + jnp.log(l_s), m_t + jnp.log(l_t), a / l_s, s_y, t_y
+    # l_s = 0 only for a vocab split without a valid column; its weight in the combine is 0.
+    return m_s + jnp.log(l_s), m_t + jnp.log(l_t), jnp.where(l_s > 0, a / l_s, 0.0), s_y, t_y
+
+
+def combine_partial_stats(parts, max_fn, sum_fn):
+    """Merge finalize_stats outputs of disjoint vocab parts (splits or shards).
+
+    lse = m + log sum_k e^(lse_k - m);  E_p[s - t] = sum_k e^(lse_s,k - lse_s) E_pk[s - t];
+    target logits add up (a target lies in exactly one part). max_fn/sum_fn reduce over
+    the parts: an array axis, or pmax/psum over a mesh axis.
+    """
+    lse_s_k, lse_t_k, ekl_k, s_y_k, t_y_k = parts
+
+    def lse(x):
+        m = max_fn(x)
+        w = jnp.exp(x - m)
+        total = sum_fn(w)
+        return m + jnp.log(total), w / total
+
+    lse_s, share_s = lse(lse_s_k)
+    lse_t, _ = lse(lse_t_k)
+    return lse_s, lse_t, sum_fn(share_s * ekl_k), sum_fn(s_y_k), sum_fn(t_y_k)
 
 
 def grad_tile(s_BxC, t_BxC, hit_BxC, lse_s_B, lse_t_B, kl_B, dkl_B, dlp_B, *, mode: str, inv_temp: float):

@@ -19,7 +19,7 @@ from jax import lax
 from pallas_kernels import common, xla
 
 
-def _backend(name: str):
+def backend_module(name: str):
     if name == "xla":
         return xla
     if name == "triton":
@@ -33,14 +33,15 @@ def _backend(name: str):
 
 def forward_stats(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg: common.Config):
     """-> (kl, logp_s(y), logp_t(y), lse_s, lse_t), each [N] fp32."""
-    lse_s, lse_t, ekl, s_y, t_y = _backend(cfg.implementation).stats(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg)
+    stats = backend_module(cfg.implementation).stats
+    lse_s, lse_t, ekl, s_y, t_y = stats(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg)
     return ekl - lse_s + lse_t, s_y - lse_s, t_y - lse_t, lse_s, lse_t
 
 
 def backward(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, lse_s_N, lse_t_N, kl_N, dkl_N, dlp_N,
              cfg: common.Config, col_offset=0):
     """(dh_s [N, D], dW_s [D, V]) by chunks; col_offset shifts target ids (vocab shards)."""
-    backend = _backend(cfg.implementation)
+    backend = backend_module(cfg.implementation)
     vocab = w_s_DxV.shape[1]
     align = 1 if cfg.implementation == "xla" else cfg.block_v
     w_s_p, w_t_p = common.pad_axis(w_s_DxV, 1, align), common.pad_axis(w_t_ExV, 1, align)

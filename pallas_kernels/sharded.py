@@ -40,22 +40,13 @@ class Layout:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def _combine_lse(lse_k, axis):
-    m = jax.lax.pmax(lse_k, axis)
-    w_k = jnp.exp(lse_k - m)
-    total = jax.lax.psum(w_k, axis)
-    return m + jnp.log(total), w_k / total
-
-
 def _local_forward(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, *, cfg, layout):
     axis = layout.vocab_axis
     offset = jax.lax.axis_index(axis) * w_s_DxV.shape[1]
-    backend = driver._backend(cfg.implementation)
-    lse_s_k, lse_t_k, ekl_k, s_y_k, t_y_k = backend.stats(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N - offset, cfg)
-    lse_s, share_s = _combine_lse(lse_s_k, axis)
-    lse_t, _ = _combine_lse(lse_t_k, axis)
-    ekl = jax.lax.psum(share_s * ekl_k, axis)
-    s_y, t_y = jax.lax.psum(s_y_k, axis), jax.lax.psum(t_y_k, axis)
+    backend = driver.backend_module(cfg.implementation)
+    parts = backend.stats(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N - offset, cfg)
+    lse_s, lse_t, ekl, s_y, t_y = common.combine_partial_stats(
+        parts, lambda x: jax.lax.pmax(x, axis), lambda x: jax.lax.psum(x, axis))
     return ekl - lse_s + lse_t, s_y - lse_s, t_y - lse_t, lse_s, lse_t
 
 

@@ -3,9 +3,11 @@
 Legend: N tokens, D student hidden, E teacher hidden, V vocab, C vocab chunk,
 Bn/Bv/Bd token/vocab/hidden blocks (powers of two on a GPU; D, E multiples of Bd).
 
-stats:      grid (N/Bn,); each program walks all vocab tiles with the online recurrence
-            (common.update_stats) and computes each [Bn, Bv] logit tile as a loop of
-            [Bn, Bd] x [Bd, Bv] dots, so no tile larger than Bn x max(Bd, Bv) is live.
+stats:      grid (N/Bn, S); program (i, k) walks the k-th of S contiguous runs of vocab
+            tiles with the online recurrence (common.update_stats), each [Bn, Bv] logit
+            tile built from [Bn, Bd] x [Bd, Bv] dots, so no tile larger than
+            Bn x max(Bd, Bv) is live. The S partial statistics merge in XLA
+            (common.combine_partial_stats); S > 1 keeps all SMs busy when N/Bn is small.
 grad_chunk: grid (N/Bn, C/Bv); recomputes the logit tiles of one vocab chunk and
             writes g [N, C]; the two gradient GEMMs run in XLA (driver.backward).
 Only static-size pl.ds slices with traced starts are used: Triton lowers those to
@@ -43,19 +45,23 @@ def _logit_tile(h_ref, w_ref, col0, block_v: int, block_d: int, inv_temp: float)
 
 
 def _stats_kernel(h_s_ref, w_s_ref, h_t_ref, w_t_ref, y_ref, lse_s_ref, lse_t_ref, ekl_ref, s_y_ref, t_y_ref,
-                  *, vocab: int, block_v: int, block_d: int, inv_temp: float):
+                  *, vocab: int, block_v: int, block_d: int, inv_temp: float, tiles_per_split: int):
     y_B = y_ref[...]
-    num_tiles = w_s_ref.shape[1] // block_v
+    last_tile = w_s_ref.shape[1] // block_v - 1
+    first = pl.program_id(1) * tiles_per_split
 
     def body(j, carry):
-        col0 = j * block_v
+        # The last split may run past the vocab: clamp the tile (in-bounds loads) and let
+        # the column mask below drop the repeat.
+        tile = jnp.minimum(first + j, last_tile)
+        col0 = tile * block_v
         col_V = col0 + jnp.arange(block_v)
-        valid_1xV = (col_V < vocab)[None, :]
+        valid_1xV = ((col_V < vocab) & (first + j <= last_tile))[None, :]
         s = common.mask_logits(_logit_tile(h_s_ref, w_s_ref, col0, block_v, block_d, inv_temp), valid_1xV)
         t = common.mask_logits(_logit_tile(h_t_ref, w_t_ref, col0, block_v, block_d, inv_temp), valid_1xV)
         return common.update_stats(carry, s, t, (col_V[None, :] == y_B[:, None]) & valid_1xV)
 
-    out = common.finalize_stats(lax.fori_loop(0, num_tiles, body, common.init_stats(y_B.shape)))
+    out = common.finalize_stats(lax.fori_loop(0, tiles_per_split, body, common.init_stats(y_B.shape)))
     for ref, value in zip((lse_s_ref, lse_t_ref, ekl_ref, s_y_ref, t_y_ref), out):
         ref[...] = value
 
@@ -70,6 +76,13 @@ def _grad_kernel(h_s_ref, w_s_ref, h_t_ref, w_t_ref, y_ref, col0_ref, lse_s_ref,
     hit = col_V[None, :] == y_ref[...][:, None]
     g_ref[...] = common.grad_tile(s, t, hit, lse_s_ref[...], lse_t_ref[...], kl_ref[...], dkl_ref[...],
                                   dlp_ref[...], mode=mode, inv_temp=inv_temp)
+
+
+def _splits(cfg: common.Config, token_blocks: int, tiles: int) -> tuple[int, int]:
+    """(S, tiles per split): auto aims at >= 256 programs (about 2 per SM on an H100/H200)."""
+    want = cfg.vocab_splits or -(-256 // token_blocks)
+    per = -(-tiles // max(1, min(want, tiles)))
+    return -(-tiles // per), per
 
 
 def _row_spec(block_n):
@@ -95,20 +108,22 @@ def stats(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg: common.Config):
     h_s, h_t, y = (common.pad_axis(x, 0, bn) for x in (h_s_NxD, h_t_NxE, y_N))
     w_s, w_t = common.pad_axis(w_s_DxV, 1, bv), common.pad_axis(w_t_ExV, 1, bv)
     n_p = h_s.shape[0]
+    splits, per = _splits(cfg, n_p // bn, w_s.shape[1] // bv)
     kernel = functools.partial(_stats_kernel, vocab=vocab, block_v=bv, block_d=cfg.block_d,
-                               inv_temp=1.0 / cfg.temperature)
+                               inv_temp=1.0 / cfg.temperature, tiles_per_split=per)
     out = pl.pallas_call(
         kernel,
-        grid=(n_p // bn,),
+        grid=(n_p // bn, splits),
         in_specs=[_rows_spec(bn, h_s.shape[1]), _full_spec(w_s.shape), _rows_spec(bn, h_t.shape[1]),
                   _full_spec(w_t.shape), _row_spec(bn)],
-        out_specs=[_row_spec(bn)] * 5,
-        out_shape=[jax.ShapeDtypeStruct((n_p,), jnp.float32)] * 5,
+        out_specs=[pl.BlockSpec((None, bn), lambda i, k: (k, i))] * 5,
+        out_shape=[jax.ShapeDtypeStruct((splits, n_p), jnp.float32)] * 5,
         compiler_params=_compiler_params(bn, bv),
         interpret=common.use_interpret(cfg),
         name="fused_vocab_stats",
     )(h_s, w_s, h_t, w_t, y)
-    return tuple(x[:n] for x in out)
+    merged = common.combine_partial_stats(out, lambda x: jnp.max(x, axis=0), lambda x: jnp.sum(x, axis=0))
+    return tuple(x[:n] for x in merged)
 
 
 def grad_chunk(h_s_NxD, w_s_DxC, h_t_NxE, w_t_ExC, y_N, col0, lse_s_N, lse_t_N, kl_N, dkl_N, dlp_N,

@@ -66,7 +66,7 @@ def reverse_kl_loss_from_hidden(h_s_BxTxD, w_s_DxV, h_t, w_t, mask_BxT, *, weigh
         _checks.check_weights(weights, k, b)
         w = jax.lax.stop_gradient(jnp.asarray(weights, jnp.float32))
         w_KxB = jnp.broadcast_to(w[:, None], (k, b)) if w.ndim == 1 else w.T
-    mask_N = _flat(mask_BxT[..., None])[:, 0]
+    mask_N = mask_BxT.reshape(-1)
     h_s_NxD = _flat(h_s_BxTxD)
     kl_KxBxT = jnp.stack([
         fused_reverse_kl(h_s_NxD, w_s_DxV, _flat(h_t_KxBxTxE[i]), w_t_KxExV[i], mask_N=mask_N,

@@ -144,3 +144,14 @@ def test_weighted_loss_matches_reference(impl):
         return lambda h, w: fused_reverse_kl_loss(h, w, h_t, w_t, weights, implementation=i, temperature=1.5,
                                                   block_n=16)
     check_value_and_grad(make, impl, h_s, w_s, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_vocab_splits(splits):
+    """The Triton forward splits V over programs; 3 splits of 10 tiles leave a clamped, masked tail."""
+    h_s, w_s, h_t, w_t, y, _ = problem(37, 24, 40, 301, seed=6)
+    kw = dict(temperature=1.2, vocab_splits=splits, **SMALL_BLOCKS)
+    check_value_and_grad(lambda i: ratio_objective(i, h_t, w_t, y, r_max=0.7, **kw), "triton", h_s, w_s, 1e-5, 1e-4)
+    kl = fused_reverse_kl(h_s, w_s, h_t, w_t, implementation="triton", **kw)
+    kl_ref = fused_reverse_kl(h_s, w_s, h_t, w_t, implementation="reference", temperature=1.2)
+    assert_close(kl, kl_ref, 1e-5, "split kl")
