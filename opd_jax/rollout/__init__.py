@@ -6,15 +6,50 @@ and a multi-turn environment driver.
     res = generate(model, [[1, 5, 7]], max_new_tokens=32, temperature=0.7, seed=0)
     res.tokens, res.logprobs, res.finish_reasons
 """
-from opd_jax.rollout.api import (GenerateResult, align_right, generate, resume, sample,
-                                 stop_sequences, think_ids, to_result)
-from opd_jax.rollout.engine import RolloutBatch, RolloutState, decode, extend, init_state, pack
-from opd_jax.rollout.sampling import (NO_BUDGET, FinishReason, SamplingParams, process_logits,
-                                      sample_logits)
+from opd_jax.rollout.api import (
+                                 GenerateResult,
+                                 align_right,
+                                 generate,
+                                 resume,
+                                 sample,
+                                 stop_sequences,
+                                 think_ids,
+                                 to_result,
+)
+from opd_jax.rollout.engine import (
+                                 RolloutBatch,
+                                 RolloutState,
+                                 decode,
+                                 extend,
+                                 init_state,
+                                 pack,
+)
+from opd_jax.rollout.sampling import (
+                                 NO_BUDGET,
+                                 FinishReason,
+                                 SamplingParams,
+                                 process_logits,
+                                 sample_logits,
+)
 
 __all__ = [
-    "generate", "sample", "resume", "GenerateResult", "RolloutBatch", "RolloutState",
-    "SamplingParams", "FinishReason", "NO_BUDGET", "process_logits", "sample_logits",
-    "init_state", "extend", "decode", "pack", "align_right", "stop_sequences", "think_ids",
-    "to_result",
+                                 "NO_BUDGET",
+                                 "FinishReason",
+                                 "GenerateResult",
+                                 "RolloutBatch",
+                                 "RolloutState",
+                                 "SamplingParams",
+                                 "align_right",
+                                 "decode",
+                                 "extend",
+                                 "generate",
+                                 "init_state",
+                                 "pack",
+                                 "process_logits",
+                                 "resume",
+                                 "sample",
+                                 "sample_logits",
+                                 "stop_sequences",
+                                 "think_ids",
+                                 "to_result",
 ]

@@ -37,7 +37,7 @@ def align_right(prompt_BxP, prompt_lens_B, padding: str = "left"):
 
     padding="left": prompts are already right-aligned; "right": prompts start at column 0.
     """
-    B, P = prompt_BxP.shape
+    P = prompt_BxP.shape[1]
     col_P = jnp.arange(P, dtype=jnp.int32)
     mask_BxP = col_P[None] >= (P - prompt_lens_B)[:, None]
     if padding == "left":
@@ -212,8 +212,8 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens, temperature=1.0
 
 def to_result(batch: engine.RolloutBatch) -> GenerateResult:
     """Host lists of the sampled tokens (after each row's prompt) from a packed batch."""
-    tokens, mask, logp, forced, lens, plens, fin = jax.device_get((
-        batch.tokens_BxL, batch.response_mask_BxL, batch.sampler_logp_BxL,
+    tokens, logp, forced, lens, plens, fin = jax.device_get((
+        batch.tokens_BxL, batch.sampler_logp_BxL,
         batch.forced_mask_BxL, batch.lengths_B, batch.prompt_lens_B, batch.finish_reason_B))
     out_t, out_l = [], []
     for b in range(tokens.shape[0]):

@@ -31,8 +31,14 @@ from flax import nnx, struct
 from jax import lax
 
 from opd_jax.models.transformer import KVCache
-from opd_jax.rollout.sampling import (NO_BUDGET, NO_TOKEN, FinishReason, SamplingParams,
-                                      row_uniforms, sample_logits)
+from opd_jax.rollout.sampling import (
+    NO_BUDGET,
+    NO_TOKEN,
+    FinishReason,
+    SamplingParams,
+    row_uniforms,
+    sample_logits,
+)
 
 _NO_MATCH = -2  # stop-window filler: never equals a token nor NO_TOKEN
 
@@ -91,8 +97,8 @@ def init_state(model, batch: int, max_len: int, seed: int = 0, *, row_ids_B=None
     """An empty state: no tokens, cache index 0."""
     B, S = batch, max_len
     # distinct buffers per field: decode/extend donate the state
-    z_B = lambda: jnp.zeros((B,), jnp.int32)  # noqa: E731
-    f_B = lambda: jnp.zeros((B,), bool)  # noqa: E731
+    z_B = lambda: jnp.zeros((B,), jnp.int32)
+    f_B = lambda: jnp.zeros((B,), bool)
     budget = NO_BUDGET if think_budget_B is None else think_budget_B
     return RolloutState(
         cache=model.init_cache(B, S, cache_dtype),

@@ -38,9 +38,8 @@ class EpisodeBatch:
     infos: list[dict]
 
 
-def _encode(tokenizer, text: str, what: str) -> list[int]:
-    ids = list(tokenizer.encode(text, add_special_tokens=False)) if text else []
-    return ids
+def _encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=False)) if text else []
 
 
 def _chunk(rows: list[list[int]], B: int, multiple: int = 64):
@@ -79,7 +78,7 @@ def run_episodes(model, tokenizer, tasks: Sequence, *, envs: Sequence | None = N
         B, temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
         stop_sequences=stop_sequences(tokenizer, strings),
         think_ids=think_ids(tokenizer) if has_budget else (NO_TOKEN, NO_TOKEN))
-    prompts = [_encode(tokenizer, e.reset(t, role), "prompt") for e, t in zip(envs, tasks)]
+    prompts = [_encode(tokenizer, e.reset(t, role)) for e, t in zip(envs, tasks)]
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"environment {i} reset to an empty prompt; expected text")
@@ -118,7 +117,7 @@ def run_episodes(model, tokenizer, tasks: Sequence, *, envs: Sequence | None = N
             if res.done:
                 live[b], done[b] = False, True
                 continue
-            rows[b] = _encode(tokenizer, res.observation, "observation")
+            rows[b] = _encode(tokenizer, res.observation)
             if not rows[b]:
                 raise ValueError(f"environment {b} returned an empty observation for a "
                                  f"continuing episode; expected text to append")

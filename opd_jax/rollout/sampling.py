@@ -59,7 +59,7 @@ class SamplingParams:
 
     @classmethod
     def create(cls, batch: int, *, temperature=1.0, top_k=0, top_p=1.0, stop_token_ids=(),
-               stop_sequences=(), think_ids=(NO_TOKEN, NO_TOKEN)) -> "SamplingParams":
+               stop_sequences=(), think_ids=(NO_TOKEN, NO_TOKEN)) -> SamplingParams:
         """Scalars broadcast to [B]; stop tables padded to power-of-two shapes (>= 8/4/8)."""
         temp = np.broadcast_to(np.asarray(temperature, np.float32), (batch,))
         top_k = np.broadcast_to(np.asarray(top_k, np.int32), (batch,))

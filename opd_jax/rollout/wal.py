@@ -121,7 +121,7 @@ def job_header(prompt_BxP, lens_B, params: SamplingParams, seed, max_new_B, max_
     for x in (prompt_BxP, lens_B, max_new_B, think_budget_B, row_ids_B,
               *jax.tree.leaves(params)):
         h.update(np.asarray(x).tobytes())
-    return dict(version=1, seed=int(seed), batch=int(len(lens_B)), max_len=int(max_len),
+    return dict(version=1, seed=int(seed), batch=len(lens_B), max_len=int(max_len),
                 digest=h.hexdigest())
 
 
@@ -224,4 +224,4 @@ def _log_chunk(log: TokenLog, state: engine.RolloutState, before: int, after: in
     log.commit()
 
 
-__all__ = ["TokenLog", "replay", "generate_logged", "frame", "ALL_STEPS"]
+__all__ = ["ALL_STEPS", "TokenLog", "frame", "generate_logged", "replay"]

@@ -4,12 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rollout_fixtures import CFG, CompileCounter, full_logits, random_model
+from rollout_fixtures import CompileCounter, full_logits, random_model
 
 from opd_jax.models import synthetic_tokenizer
 from opd_jax.rollout import SamplingParams, generate, process_logits, resume, sample
 
-PROMPTS = [[1, 20, 30, 40, 50], [1, 60], [1, 70, 80]]
+PROMPTS = [[1, 20, 30, 40, 50], [1, 60], [1, 70, 80], [1, 9, 9, 9]]  # B=4 as elsewhere
 MAX_LEN = 64
 
 
@@ -50,7 +50,7 @@ def test_greedy_matches_full_forward_argmax(model):
         for _ in range(len(new)):
             seq.append(int(np.argmax(forward(model, seq)[-1])))
         assert seq[len(p):] == new
-    assert res.finish_reasons == ["length"] * 3 and all(len(t) == 12 for t in res.tokens)
+    assert res.finish_reasons == ["length"] * 4 and all(len(t) == 12 for t in res.tokens)
     assert all(lp == 0.0 for row in res.logprobs for lp in row)  # greedy: a point mass
 
 
@@ -66,23 +66,23 @@ def test_seeded_reproducible_and_batch_independent(model):
     a, b = run(model, seed=5), run(model, seed=5)
     assert a.tokens == b.tokens and run(model, seed=6).tokens != a.tokens
     # rows keep their draws wherever they sit in the batch (the stream follows row_ids)
-    swapped = generate(model, [PROMPTS[1], PROMPTS[0], PROMPTS[2]], max_new_tokens=12,
-                       max_len=MAX_LEN, seed=5, row_ids=[1, 0, 2])
-    assert swapped.tokens == [a.tokens[1], a.tokens[0], a.tokens[2]]
+    swapped = generate(model, [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3]],
+                       max_new_tokens=12, max_len=MAX_LEN, seed=5, row_ids=[1, 0, 2, 3])
+    assert swapped.tokens == [a.tokens[1], a.tokens[0], a.tokens[2], a.tokens[3]]
 
 
 def test_changing_knobs_does_not_recompile(model):
     run(model, temperature=0.5, stop_token_ids=[3], seed=0)  # warm up this shape
     with CompileCounter() as c:
         run(model, temperature=0.9, top_p=0.7, top_k=5, stop_token_ids=[4, 9], seed=1,
-            max_new_tokens=[3, 7, 12])
+            max_new_tokens=[3, 7, 12, 1])
     assert c.count == 0, f"{c.count} compiles"
 
 
 def test_stop_ids_strings_and_per_row_limits(model, tok):
     base = run(model, seed=2)
     stop = base.tokens[0][4]
-    res = run(model, seed=2, stop_token_ids=[stop], max_new_tokens=[12, 3, 12])
+    res = run(model, seed=2, stop_token_ids=[stop], max_new_tokens=[12, 3, 12, 12])
     for b, (full, new) in enumerate(zip(base.tokens, res.tokens)):
         limit = 3 if b == 1 else 12
         cut = full.index(stop) + 1 if stop in full[:limit] else limit
@@ -104,35 +104,35 @@ def test_think_budget_forces_close_per_row(model, tok):
         if close not in free.tokens[0][:1] + free.tokens[1][:4]:
             break
     res = generate(model, prompts, max_new_tokens=10, max_len=MAX_LEN, seed=seed,
-                   think_budget=[0, 3, None], tokenizer=tok)
+                   think_budget=[0, 3, None, None], tokenizer=tok)
     assert res.tokens[0][0] == close and res.logprobs[0][0] == 0.0
     assert res.tokens[1][:3] == free.tokens[1][:3] and res.tokens[1][3] == close
     assert res.tokens[2] == free.tokens[2]
     forced = np.asarray(res.batch.forced_mask_BxL)
     mask = np.asarray(res.batch.response_mask_BxL)
-    assert forced.sum(axis=1).tolist() == [1, 1, 0] and not (forced & mask).any()
+    assert forced.sum(axis=1).tolist() == [1, 1, 0, 0] and not (forced & mask).any()
 
 
 def test_left_and_right_padding_agree_and_pause_resume(model):
     P = 8
-    left, right = np.zeros((3, P), np.int32), np.zeros((3, P), np.int32)
+    left, right = np.zeros((4, P), np.int32), np.zeros((4, P), np.int32)
     for b, p in enumerate(PROMPTS):
         left[b, P - len(p):], right[b, :len(p)] = p, p
     lens = np.array([len(p) for p in PROMPTS], np.int32)
-    params = SamplingParams.create(3, temperature=1.0)
-    kw = dict(seed=4, max_new_B=np.array([12, 6, 12]), max_len=MAX_LEN)
+    params = SamplingParams.create(4, temperature=1.0)
+    kw = dict(seed=4, max_new_B=np.array([12, 6, 12, 12]), max_len=MAX_LEN)
     a, _ = sample(model, left, lens, params, **kw)
     b, _ = sample(model, right, lens, params, padding="right", **kw)
     np.testing.assert_array_equal(a.tokens_BxL, b.tokens_BxL)
     c, state = sample(model, right, lens, params, padding="right", max_steps=4, **kw)
-    assert np.asarray(c.finish_reason_B).tolist() == [3, 3, 3]  # paused: BUDGET
+    assert np.asarray(c.finish_reason_B).tolist() == [3] * 4  # paused: BUDGET
     while bool(jnp.any(state.active_B)):
         c, state = resume(model, state, params, 4)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c)):
         np.testing.assert_allclose(x, y, atol=1e-6)
     L = int(a.lengths_B[1])
     assert L == 2 + 6 and np.asarray(a.response_mask_BxL[1]).tolist()[:L] == [0] * 2 + [1] * 6
-    assert int(a.prompt_lens_B[0]) == 5 and np.asarray(a.finish_reason_B).tolist() == [2] * 3
+    assert int(a.prompt_lens_B[0]) == 5 and np.asarray(a.finish_reason_B).tolist() == [2] * 4
 
 
 def test_bad_input(model, tok):

@@ -31,8 +31,8 @@ def test_episodes_append_observations_and_mask_them(monkeypatch):
     tok = synthetic_tokenizer()
     model = random_model(seed=0)
     tasks = [Task(id=str(i), family="x", domain="agent", effort="low", prompt=p, reference={})
-             for i, p in enumerate(["hi", "a longer prompt"])]
-    envs = [CountingEnv(3), CountingEnv(2)]
+             for i, p in enumerate(["hi", "a longer prompt", "x", "yz"])]
+    envs = [CountingEnv(3), CountingEnv(2), CountingEnv(1), CountingEnv(2)]
     widths = []
     extend = engine.extend
 
@@ -41,9 +41,9 @@ def test_episodes_append_observations_and_mask_them(monkeypatch):
         return extend(model, state, chunk, mask, **kw)
     monkeypatch.setattr(engine, "extend", spy)
     eps = run_episodes(model, tok, tasks, envs=envs, max_turns=5, max_new_tokens=6,
-                       max_len=128, temperature=1.0, seed=0)
-    assert eps.done.tolist() == [True, True] and eps.turns.tolist() == [3, 2]
-    assert eps.rewards.tolist() == [3.0, 2.0] and eps.turn_rewards[0] == [1.0, 2.0, 3.0]
+                       max_len=64, temperature=1.0, seed=0)
+    assert eps.done.tolist() == [True] * 4 and eps.turns.tolist() == [3, 2, 1, 2]
+    assert eps.rewards.tolist() == [3.0, 2.0, 1.0, 2.0] and eps.turn_rewards[0] == [1.0, 2.0, 3.0]
     assert widths == [32, 4, 4]  # the prompts once, then only the observations
     b = eps.batch
     obs_ids = tok.encode(OBS, add_special_tokens=False)

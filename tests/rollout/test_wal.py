@@ -33,7 +33,7 @@ def test_records_commit_torn_tail_and_corruption(tmp_path):
     data = path.read_bytes()
     for cut in (1, 9, 20):  # torn last chunk: only the first chunk survives
         path.write_bytes(data[:-cut])
-        _, toks, fin, end2 = replay(path)
+        _, toks, fin, _ = replay(path)
         assert fin == {} and toks == {0: [(5, 42, -1.5, False)], 1: [(3, 7, -0.25, True)]}
     bad = bytearray(data)
     bad[-3] ^= 0xFF  # flip a byte of the last COMMIT: its CRC fails

@@ -9,9 +9,9 @@ import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from rollout_fixtures import random_model  # noqa: E402
+from rollout_fixtures import random_model
 
-from opd_jax.rollout import generate, wal  # noqa: E402
+from opd_jax.rollout import generate, wal
 
 PROMPTS = [[1, 20, 30, 40, 50], [1, 60], [1, 70, 80], [1, 9, 9, 9]]
 KW = dict(max_new_tokens=[24, 40, 32, 40], temperature=1.0, top_p=0.95, seed=11,
