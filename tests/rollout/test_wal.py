@@ -74,6 +74,8 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     finally:
         if child.poll() is None:
             child.kill()
+            child.wait(30)
+        child.stderr.close()
     assert child.returncode == -signal.SIGKILL
     _, logged, finished, _ = replay(path)
     assert 12 <= sum(map(len, logged.values())) and len(finished) < len(PROMPTS)
