@@ -35,7 +35,9 @@ from opd_jax.losses.logprobs import log_softmax, xlogp
 def _kl(logp_a: jax.Array, logp_b: jax.Array) -> jax.Array:
     """KL(a || b) = sum_v a_v (log a_v - log b_v) over the last axis; 0 where a_v = 0."""
     p_a = jnp.exp(logp_a)
-    return (p_a * jnp.where(p_a > 0, logp_a - logp_b, 0)).sum(-1)
+    kl = (p_a * jnp.where(p_a > 0, logp_a - logp_b, 0)).sum(-1)
+    # Near-equal peaked distributions can round to -1e-15 in fp32; KL is never negative.
+    return jnp.maximum(kl, 0.0)
 
 
 def reverse_kl(student_logp: jax.Array, teacher_logp: jax.Array) -> jax.Array:

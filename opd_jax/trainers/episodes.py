@@ -4,8 +4,11 @@ Each task becomes one episode: its rendered prompt (student or teacher role), th
 sampled tokens and environment observations until the environment says done or
 `max_turns` is reached. The result keeps, per episode, the prompt ids, the response ids
 (sampled tokens and observation tokens interleaved), a response mask (1 on sampled tokens,
-0 on observations, so losses never train on environment text), the sampler's log-prob of
+0 on observations and on tokens the sampler forced, so losses never train on them), the sampler's log-prob of
 each sampled token, the reward and the environment's info.
+
+Each turn re-prefills the episode's context (simple and exact); the rollout engine's
+`opd_jax.rollout.multiturn` keeps the KV cache across turns and is the faster path.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class Episode:
     @property
     def sampled_tokens(self) -> int:
         return int(sum(self.response_mask))
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +76,13 @@ def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig,
                        top_p=sampling.top_p, stop_token_ids=stop_ids,
                        stop_strings=stop_strings, tokenizer=tokenizer, think_budget=budgets,
                        seed=seed * 1000 + turn, row_ids=np.asarray(live, np.int32))
+        forced = _forced_flags(res)
         for j, i in enumerate(live):
             ep = episodes[i]
             toks, lps = res.tokens[j], res.logprobs[j]
             ep.response_ids += toks
-            ep.response_mask += [1] * len(toks)
+            # Tokens the sampler forced (</think> at the budget) were not sampled: no loss.
+            ep.response_mask += [0 if f else 1 for f in forced[j]]
             ep.sampler_logp += [float(x) for x in lps]
             ep.finish = res.finish_reasons[j]
             text = tokenizer.decode(toks, skip_special_tokens=False)
@@ -93,6 +99,13 @@ def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig,
                 ep.response_mask += [0] * len(obs)
                 ep.sampler_logp += [0.0] * len(obs)
     return episodes
+
+
+def _forced_flags(res) -> list[list[bool]]:
+    """Per returned token, whether the sampler forced it (aligned with `res.tokens`)."""
+    forced, lens = np.asarray(res.batch.forced_mask_BxL), np.asarray(res.batch.lengths_B)
+    return [forced[b, lens[b] - len(t):lens[b]].astype(bool).tolist()
+            for b, t in enumerate(res.tokens)]
 
 
 def cell_of(task: envs.Task) -> str:

@@ -100,9 +100,10 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     mesh = sh.make_mesh(tuple(cfg.mesh.shape))
     rules = tuple(tuple(r) for r in cfg.mesh.rules)
     tokenizer = builders.build_tokenizer(cfg.tokenizer)
-    model = builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)
+    # Everything that needs no weights is checked before anything is built or written.
+    model_config = builders.planned_model_config(cfg.model)
     from opd_jax.models import check_tokenizer_fits
-    check_tokenizer_fits(tokenizer, model.config)
+    check_tokenizer_fits(tokenizer, model_config)
     objective = make_objective(cfg.objective.name, **dict(cfg.objective.options))
     rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     n_batch_devices = sh.batch_shards(mesh, rules)
@@ -114,9 +115,10 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     bank = None
     if is_opd:
         bank = TeacherBank(dict(cfg.teachers.paths), max_loaded=cfg.teachers.max_loaded or None)
-        bank.validate(model.config.vocab_size)
-    model_meta = model.config.to_dict()
+        bank.validate(model_config.vocab_size)
+    model_meta = model_config.to_dict()
     ckpt = check_workdir(workdir, model_meta)
+    model = builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)
 
     tasks_ds = task_dataset(cfg.tasks, cfg.rollout.prompts_per_step)
     task_iter = iter(tasks_ds)

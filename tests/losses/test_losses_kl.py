@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from tests.losses import losses_numpy_ref as ref
 from opd_jax.losses import (forward_kl, forward_kl_loss, generalized_jsd, generalized_jsd_loss,
@@ -54,14 +54,20 @@ def test_divergences_match_numpy(kind, teachers):
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), scale=st.sampled_from([0.1, 3.0, 20.0]),
        kind=st.sampled_from(["reverse", "forward", "jsd"]))
+@example(seed=0, scale=20.0, kind="reverse")   # once gave -1.8e-15 before the clamp
 def test_divergence_nonnegative_and_zero_iff_equal(seed, scale, kind):
     s, t, m, _, _ = make_inputs(seed)
     s, t = jnp.asarray(s * scale), jnp.asarray(t[0] * scale)
     m = jnp.asarray(m)
     fn = LOSSES[kind]
-    # Each position separately (no cancellation in a mean): strictly positive.
-    per_token = PER_TOKEN[kind](log_softmax(s), log_softmax(t))
-    assert per_token.shape == (B, T) and np.all(np.asarray(per_token) > 0)
+    # Each position separately (no cancellation in a mean): never negative, and strictly
+    # positive wherever the two distributions differ beyond fp32 rounding (Pinsker:
+    # KL >= TV^2 / 2). Peaked logits (scale 20) can make them equal to rounding.
+    per_token = np.asarray(PER_TOKEN[kind](log_softmax(s), log_softmax(t)))
+    assert per_token.shape == (B, T) and np.all(per_token >= 0)
+    differ = np.abs(np.exp(np.asarray(log_softmax(s))) - np.exp(np.asarray(log_softmax(t)))
+                    ).max(-1) > 1e-3
+    assert np.all(per_token[differ] > 0)
     # Equal distributions (logits up to a shift) give exactly zero divergence.
     assert abs(float(fn(s, s + 3.0, m)[0])) < 1e-5
     # KL(p || p) is exactly 0; the JSD's mixture log m = logaddexp(...) rounds in fp32.

@@ -25,22 +25,33 @@ def _teacher(path, vocab=128):
     return str(path)
 
 
-def test_grpo_runs_checkpoints_and_resumes(tmp_path):
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("grpo")
     cfg = load_config(os.path.join(ROOT, "configs/grpo.py:tiny"),
                       SMALL + ["--config.train.steps=2", "--config.rollout.group_size=2",
-                             "--config.rollout.prompts_per_step=4"])
-    out = train_policy(cfg, str(tmp_path), progress=False)
+                               "--config.rollout.prompts_per_step=4"])
+    return cfg, workdir, train_policy(cfg, str(workdir), progress=False)
+
+
+def test_grpo_runs_and_logs(grpo_run):
+    _, _, out = grpo_run
     assert [h["step"] for h in out["history"]] == [1, 2]
     for key in ("reward/mean", "reward/general/high", "icepop_masked_frac", "mismatch_mean",
                 "clip_frac", "entropy", "tokens_per_s", "response_len"):
         assert key in out["history"][-1], key
     # IcePop compares the training forward with the sampler: same weights, same numbers.
     assert abs(out["history"][0]["mismatch_mean"] - 1.0) < 1e-4
+
+
+@pytest.mark.slow
+def test_grpo_resumes(grpo_run):
+    cfg, workdir, _ = grpo_run
     cfg.unlock()
     cfg.train.steps = 3
-    resumed = train_policy(cfg, str(tmp_path), progress=False)
+    resumed = train_policy(cfg, str(workdir), progress=False)
     assert [h["step"] for h in resumed["history"]] == [3]
-    assert [m["step"] for m in read_metrics(str(tmp_path))] == [1, 2, 3]
+    assert [m["step"] for m in read_metrics(str(workdir))] == [1, 2, 3]
 
 
 @pytest.mark.parametrize("objective", [

@@ -54,7 +54,8 @@ def single_device_step():
     return _one_step(_cfg(), sh.make_mesh((1, 1, 1), devices=jax.devices()[:1]))
 
 
-@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
+@pytest.mark.parametrize("shape", [pytest.param((8, 1, 1), marks=pytest.mark.slow),
+                                   pytest.param((2, 4, 1), marks=pytest.mark.slow), (2, 2, 2)])
 def test_sharded_step_equals_unsharded(shape, single_device_step):
     params, metrics = _one_step(_cfg(), sh.make_mesh(shape))
     ref_params, ref_metrics = single_device_step
@@ -113,6 +114,7 @@ def _cli(workdir, steps, *extra):
             *TINY, *extra]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     steps = 16
