@@ -9,7 +9,6 @@ already covered are masked: W is never padded or copied.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

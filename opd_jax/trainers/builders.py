@@ -20,6 +20,17 @@ def model_config_from(m: ml_collections.ConfigDict):
     return ModelConfig.from_dict(fields)
 
 
+def setup(cfg: ml_collections.ConfigDict):
+    """(mesh, rules, tokenizer, model_config) of a run, checked without touching weights."""
+    mesh = sh.make_mesh(tuple(cfg.mesh.shape))
+    rules = tuple(tuple(r) for r in cfg.mesh.rules)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    model_config = planned_model_config(cfg.model)
+    from opd_jax.models import check_tokenizer_fits
+    check_tokenizer_fits(tokenizer, model_config)
+    return mesh, rules, tokenizer, model_config
+
+
 def planned_model_config(m: ml_collections.ConfigDict):
     """The config of the model `build_model` will return, read without any weights."""
     if m.init_from:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from opd_jax import envs, losses
 from opd_jax import sharding as sh
-from opd_jax.checkpoint import Checkpointer, abstract_like
+from opd_jax.checkpoint import abstract_like
 from opd_jax.teachers import TeacherBank
 from opd_jax.trainers import builders
 from opd_jax.trainers.episodes import SamplingConfig, cell_of, encode, play
@@ -97,13 +97,8 @@ class _TeacherScorer:
 
 
 def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
-    mesh = sh.make_mesh(tuple(cfg.mesh.shape))
-    rules = tuple(tuple(r) for r in cfg.mesh.rules)
-    tokenizer = builders.build_tokenizer(cfg.tokenizer)
     # Everything that needs no weights is checked before anything is built or written.
-    model_config = builders.planned_model_config(cfg.model)
-    from opd_jax.models import check_tokenizer_fits
-    check_tokenizer_fits(tokenizer, model_config)
+    mesh, rules, tokenizer, model_config = builders.setup(cfg)
     objective = make_objective(cfg.objective.name, **dict(cfg.objective.options))
     rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
     n_batch_devices = sh.batch_shards(mesh, rules)

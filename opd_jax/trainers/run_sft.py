@@ -39,13 +39,8 @@ def check_workdir(workdir: str, model_meta: dict) -> Checkpointer:
 
 def train_sft(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
     """Run (or resume) SFT; returns ``{"step", "loss", "checkpoint"}`` of the last step."""
-    mesh = sh.make_mesh(tuple(cfg.mesh.shape))
-    rules = tuple(tuple(r) for r in cfg.mesh.rules)
-    tokenizer = builders.build_tokenizer(cfg.tokenizer)
     # Validate everything that needs no weights before building anything.
-    model_config = builders.planned_model_config(cfg.model)
-    from opd_jax.models import check_tokenizer_fits
-    check_tokenizer_fits(tokenizer, model_config)
+    mesh, rules, tokenizer, model_config = builders.setup(cfg)
     model_meta = model_config.to_dict()
     ckpt = check_workdir(workdir, model_meta)
     model = builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)

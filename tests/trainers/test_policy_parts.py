@@ -1,5 +1,4 @@
 """Pieces of the policy trainers: sequence batches, teacher alignment, bank, objectives."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
