@@ -134,11 +134,10 @@ def grpo_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B_or_BxT: jax.Ar
     adv_BxT = jax.lax.stop_gradient(sanitize(jnp.broadcast_to(adv, shape), m))
 
     pg_BxT, metrics = policy.ppo_clip(lp, old, adv_BxT, m, eps_low, eps_high, dual_clip)
-    weight_BxT, denom_BxT, corr_metrics = policy.mismatch_correction(
-        old, sg(sanitize(sampler_logp_BxT, m)), m, correction, icepop_bounds, tis_cap,
-        icepop_normalizer)
-    pg_loss = aggregate(pg_BxT * weight_BxT, m, aggregation, max_len=max_len,
-                        denom_mask_BxT=denom_BxT)
+    pg_loss, corr_metrics = policy.corrected_policy_loss(
+        pg_BxT, old, sampler_logp_BxT, m, correction=correction,
+        icepop_bounds=icepop_bounds, tis_cap=tis_cap, icepop_normalizer=icepop_normalizer,
+        aggregation=aggregation, max_len=max_len)
     loss = pg_loss
     metrics |= {"pg_loss": sg(pg_loss), "entropy_est": masked_mean(-sg(lp), m),
                 "adv_mean": masked_mean(adv_BxT, m)}

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from opd_jax.losses import _checks, policy
-from opd_jax.losses.aggregation import aggregate, masked_frac, masked_mean, sanitize
+from opd_jax.losses.aggregation import masked_frac, masked_mean, sanitize
 
 sg = jax.lax.stop_gradient
 
@@ -76,11 +76,10 @@ def kimi_mopd_loss(logp_BxT: jax.Array, teacher_logp_BxT: jax.Array, mask_BxT: j
         pg_BxT = -r_BxT * lp
     else:
         pg_BxT, metrics = policy.ppo_clip(lp, ref, r_BxT, m, eps_low, eps_high, dual_clip)
-    weight_BxT, denom_BxT, corr_metrics = policy.mismatch_correction(
-        ref, sg(sanitize(sampler_logp_BxT, m)), m, correction, icepop_bounds, tis_cap,
-        icepop_normalizer)
-    loss = aggregate(pg_BxT * weight_BxT, m, aggregation, max_len=max_len,
-                     denom_mask_BxT=denom_BxT)
+    loss, corr_metrics = policy.corrected_policy_loss(
+        pg_BxT, ref, sampler_logp_BxT, m, correction=correction,
+        icepop_bounds=icepop_bounds, tis_cap=tis_cap, icepop_normalizer=icepop_normalizer,
+        aggregation=aggregation, max_len=max_len)
     metrics |= {
         "loss": sg(loss),
         "r_mean": masked_mean(r_BxT, m),
@@ -132,11 +131,10 @@ def glm_opd_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, teacher_logp_BxT:
         task = task_adv if jnp.ndim(task_adv) == 2 else task_adv[:, None]
         adv_BxT = adv_BxT + sg(sanitize(jnp.broadcast_to(task, shape), m))
     pg_BxT, metrics = policy.ppo_clip(lp, old, adv_BxT, m, eps_low, eps_high, dual_clip)
-    weight_BxT, denom_BxT, corr_metrics = policy.mismatch_correction(
-        old, sg(sanitize(sampler_logp_BxT, m)), m, correction, icepop_bounds, tis_cap,
-        icepop_normalizer)
-    loss = aggregate(pg_BxT * weight_BxT, m, aggregation, max_len=max_len,
-                     denom_mask_BxT=denom_BxT)
+    loss, corr_metrics = policy.corrected_policy_loss(
+        pg_BxT, old, sampler_logp_BxT, m, correction=correction,
+        icepop_bounds=icepop_bounds, tis_cap=tis_cap, icepop_normalizer=icepop_normalizer,
+        aggregation=aggregation, max_len=max_len)
     metrics |= {
         "loss": sg(loss),
         "adv_mean": masked_mean(adv_BxT, m),

@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from opd_jax.losses import _checks
-from opd_jax.losses.aggregation import masked_frac, masked_max, masked_mean, masked_min
+from opd_jax.losses.aggregation import (aggregate, masked_frac, masked_max, masked_mean,
+                                        masked_min, sanitize)
 
 CORRECTIONS = (None, "icepop", "tis")
 ICEPOP_NORMALIZERS = ("all", "kept")
@@ -119,3 +120,20 @@ def mismatch_correction(old_BxT: jax.Array, sampler_BxT: jax.Array | None, mask_
         metrics["tis_weight_mean"] = masked_mean(weight_BxT, mask_BxT)
         return weight_BxT, mask_BxT, metrics
     return one_BxT, mask_BxT, metrics
+
+
+def corrected_policy_loss(pg_BxT: jax.Array, old_BxT: jax.Array,
+                          sampler_logp_BxT: jax.Array | None, mask_BxT: jax.Array, *,
+                          correction, icepop_bounds, tis_cap, icepop_normalizer, aggregation,
+                          max_len) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Weight a per-token policy loss by the mismatch correction, then aggregate it.
+
+    The shared tail of `grpo_loss`, `kimi_mopd_loss` and `glm_opd_loss`: `old_BxT` is the
+    (detached) training-engine log-prob the sampler is compared with.
+    """
+    sampler_BxT = jax.lax.stop_gradient(sanitize(sampler_logp_BxT, mask_BxT))
+    weight_BxT, denom_BxT, metrics = mismatch_correction(
+        old_BxT, sampler_BxT, mask_BxT, correction, icepop_bounds, tis_cap, icepop_normalizer)
+    loss = aggregate(pg_BxT * weight_BxT, mask_BxT, aggregation, max_len=max_len,
+                     denom_mask_BxT=denom_BxT)
+    return loss, metrics
