@@ -4,7 +4,6 @@ import ml_collections
 from opd_jax.sharding import DEFAULT_RULES
 
 
-
 def model_config(**overrides) -> ml_collections.ConfigDict:
     m = ml_collections.ConfigDict(dict(
         init_from="",            # HF folder to load (config.json + safetensors); "" = random init
@@ -37,19 +36,34 @@ def optim_config(**overrides) -> ml_collections.ConfigDict:
     return o
 
 
+def eval_config(**overrides) -> ml_collections.ConfigDict:
+    """Held-out evaluation: n tasks per cell, greedy by default (see opd_jax.trainers.evaluate)."""
+    e = ml_collections.ConfigDict(dict(
+        every=10,                # policy trainers: evaluate every N iterations (0 = only at the end)
+        n=32, seed=0, batch_size=64,
+        sampling=ml_collections.ConfigDict(dict(
+            max_new_tokens=24, temperature=0.0, top_k=0, top_p=1.0, max_turns=3,
+            use_think_budget=True)),
+    ))
+    e.update(overrides)
+    return e
+
+
 def policy_base(init_from: str = "") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.model = model_config(init_from=init_from)
     c.tokenizer = "synthetic"
     c.tasks = ml_collections.ConfigDict(dict(
-        families={"general": "arithmetic"}, efforts=("high",), difficulty=1, size=10_000, seed=0))
+        families={"general": "arithmetic"}, efforts=("high",), difficulty=1, size=10_000, seed=0,
+        cells=()))   # non-empty: train only these "domain/effort" cells of the grid
     c.rollout = ml_collections.ConfigDict(dict(
         prompts_per_step=8, group_size=4, seq_len=0,    # seq_len 0: bucket per batch
         sampling=ml_collections.ConfigDict(dict(
             max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, max_turns=3,
             use_think_budget=True)),
     ))
+    c.eval = eval_config()
     c.rl = ml_collections.ConfigDict(dict(
         adv_scale="std", dynamic_sampling=False, ppo_epochs=1, minibatches=1))
     c.optim = optim_config(lr=1e-4, warmup_steps=0, schedule="constant", weight_decay=0.0)

@@ -21,9 +21,11 @@ def get_config(arg: str = "kimi_mopd") -> ml_collections.ConfigDict:
     c = policy_base()
     c.teachers = ml_collections.ConfigDict(dict(
         paths={},                 # key -> checkpoint folder
-        routing="cell",           # "cell" (domain/effort) | "domain" | "table"
+        routing="cell",           # "cell" (domain/effort) | "domain" | "table" | "mixture"
         table={},                 # routing="table": cell or domain -> key
+        weights={},               # routing="mixture": cell or domain -> {key: weight}, sum 1
         max_loaded=0,             # LRU bound on loaded teachers (0 = unbounded)
+        prompt_role="student",    # teachers see the student's prompt ("teacher": no effort token)
     ))
     c.rollout.group_size = 1
     pg = dict(eps_low=0.2, eps_high=0.2, correction="icepop", icepop_bounds=(0.5, 5.0),

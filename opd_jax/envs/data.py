@@ -17,7 +17,7 @@ import os
 import random
 from typing import Iterable, Sequence
 
-from opd_jax.envs.base import DEFAULT_EFFORTS, EffortSpec, Task, get_family
+from opd_jax.envs.base import KNOWN_EFFORTS, EffortSpec, Task, get_family
 
 
 def task_rng(family: str, seed: int, difficulty: int, index: int) -> random.Random:
@@ -28,7 +28,7 @@ def task_rng(family: str, seed: int, difficulty: int, index: int) -> random.Rand
 class TaskSource:
     """Procedural tasks of one family in one (effort, difficulty) cell; len == size.
 
-    effort: a name in DEFAULT_EFFORTS or an EffortSpec (stored in each task's meta so the
+    effort: a name in KNOWN_EFFORTS (low/high/max, think_on/think_off) or an EffortSpec (stored in each task's meta so the
     cell's budget and penalty travel with the task).
     """
 
@@ -43,8 +43,8 @@ class TaskSource:
                              f"{fam.max_difficulty}")
         if not (isinstance(size, int) and size > 0):
             raise ValueError(f"size={size!r}: expected a positive int")
-        if isinstance(effort, str) and effort not in DEFAULT_EFFORTS:
-            raise ValueError(f"effort={effort!r}: expected one of {tuple(DEFAULT_EFFORTS)} or "
+        if isinstance(effort, str) and effort not in KNOWN_EFFORTS:
+            raise ValueError(f"effort={effort!r}: expected one of {tuple(KNOWN_EFFORTS)} or "
                              f"an EffortSpec")
         # The name, not the object: sources must pickle for grain workers (a worker
         # imports the module that registers a custom family before reading).

@@ -78,18 +78,24 @@ def build_sft_dataset(d: ml_collections.ConfigDict, tokenizer):
 def task_demo_examples(t: ml_collections.ConfigDict) -> list[dict]:
     """SFT cold-start data: each task's student prompt and its family's demo response.
 
-    Multi-turn tasks are skipped here (their demos need the environment's observations).
+    Multi-turn demos (tool calls) keep the environment's observations in the response as
+    untrained pieces, so the model learns its own turns and never the tools' replies.
     """
+    import re
+
     from opd_jax import envs
     src = envs.grid_source(dict(t.families), tuple(t.efforts), size=t.size, seed=t.seed,
                            difficulty=t.difficulty)
     out = []
     for task in src:
         fam = envs.get_family(task.family)
-        if fam.demo is None or task.env:
+        if fam.demo is None:
             continue
-        out.append({"prompt": envs.render_prompt(task, role="student"),
-                    "response": fam.demo(task)})
+        demo = fam.demo(task)
+        # "<|tool|>obs<|assistant|>" spans are the environment's: in the context, not trained.
+        parts = re.split(r"(<\|tool\|>.*?<\|assistant\|>)", demo, flags=re.DOTALL)
+        pieces = [{"text": p, "train": not p.startswith("<|tool|>")} for p in parts if p]
+        out.append({"prompt": envs.render_prompt(task, role="student"), "response": pieces})
     if not out:
-        raise ValueError(f"no single-turn task with a demo in {dict(t.families)}")
+        raise ValueError(f"no task with a demo in {dict(t.families)}")
     return out

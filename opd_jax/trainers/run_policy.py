@@ -31,8 +31,8 @@ from tqdm.auto import tqdm
 from opd_jax import envs, losses
 from opd_jax import sharding as sh
 from opd_jax.checkpoint import abstract_like
-from opd_jax.teachers import TeacherBank
-from opd_jax.trainers import builders
+from opd_jax.teachers import TeacherBank, check_routing, teacher_weights
+from opd_jax.trainers import builders, evaluate
 from opd_jax.trainers.episodes import SamplingConfig, cell_of, encode, play
 from opd_jax.trainers.metrics import MetricsWriter
 from opd_jax.trainers.objectives import make_objective
@@ -42,29 +42,43 @@ from opd_jax.trainers.sequences import align_to_student, bucket, build_sequences
 from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
 
 
+def task_cells(t: ml_collections.ConfigDict) -> list[tuple[str, str, str]]:
+    """(domain, family, effort) cells of a run: families x efforts, or only `t.cells`."""
+    grid = [(d, fam, e) for d, fam in t.families.items() for e in t.efforts]
+    only = tuple(t.get("cells", ()) or ())
+    if not only:
+        return grid
+    names = {f"{d}/{e}": (d, fam, e) for d, fam, e in grid}
+    unknown = [c for c in only if c not in names]
+    if unknown:
+        raise ValueError(f"tasks.cells {unknown} are not in the families x efforts grid "
+                         f"{sorted(names)}")
+    return [names[c] for c in only]
+
+
 def task_dataset(t: ml_collections.ConfigDict, batch: int) -> grain.IterDataset:
-    src = envs.grid_source(dict(t.families), tuple(t.efforts), size=t.size, seed=t.seed,
-                           difficulty=t.difficulty)
+    cells = task_cells(t)
+    src = envs.MixtureSource([envs.TaskSource(fam, size=t.size, seed=t.seed, effort=e,
+                                              difficulty=t.difficulty) for _, fam, e in cells])
+    for (d, fam, _) in cells:
+        if envs.get_family(fam).domain != d:
+            raise ValueError(f"family {fam!r} is in domain {envs.get_family(fam).domain!r}, "
+                             f"not {d!r}")
     return grain.MapDataset.source(src).shuffle(seed=t.seed).repeat(None).batch(
         batch, batch_fn=list).to_iter_dataset()
 
 
 def route(task: envs.Task, routing: str, table: dict) -> str:
-    """Teacher key of a task: by cell ("domain/effort"), by domain, or an explicit table."""
-    key = {"cell": cell_of(task), "domain": task.domain}.get(routing)
-    if routing == "table":
-        key = table.get(cell_of(task), table.get(task.domain))
-    if key is None:
-        raise KeyError(f"no teacher for (domain, effort) {cell_of(task)!r} under routing "
-                       f"{routing!r}")
+    """Teacher key of a task under single-teacher routing ("cell", "domain" or "table")."""
+    (key,) = teacher_weights(task.domain, task.effort, routing, table=table)
     return key
 
 
 class _TeacherScorer:
     """Scores episodes with their teachers, one jitted forward per teacher per iteration."""
 
-    def __init__(self, bank: TeacherBank, tokenizer, kind: str):
-        self.bank, self.tokenizer, self.kind = bank, tokenizer, kind
+    def __init__(self, bank: TeacherBank, tokenizer, kind: str, role: str = "student"):
+        self.bank, self.tokenizer, self.kind, self.role = bank, tokenizer, kind, role
         self._fns = {}
 
     def _fn(self, graphdef):
@@ -73,17 +87,17 @@ class _TeacherScorer:
                                                             kind=self.kind))
         return self._fns[graphdef]
 
-    def __call__(self, episodes, keys, student_seqs):
-        """Per key: teacher values aligned to student targets for the rows routed to it."""
+    def __call__(self, episodes, weights, student_seqs):
+        """Per teacher key: (rows with weight > 0, values aligned to student targets, W_t)."""
         B, T = student_seqs["targets"].shape
         bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         out = {}
-        for key in sorted(set(keys)):
-            rows = [b for b, k in enumerate(keys) if k == key]
+        for key in sorted({k for w in weights for k in w}):
+            rows = [b for b, w in enumerate(weights) if w.get(key, 0.0) > 0]
             teacher = self.bank.get(key)
             graphdef, params, rest = nnx.split(teacher, nnx.Param, ...)
             prompts = [bos + encode(self.tokenizer, envs.render_prompt(episodes[b].task,
-                                                                        role="teacher"))
+                                                                        role=self.role))
                        for b in range(B)]
             # Score every row (fixed shapes: one compile per teacher shape), keep `rows`.
             tseq = build_sequences(prompts, [e.response_ids for e in episodes],
@@ -108,8 +122,14 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                          f"batch devices of mesh {dict(mesh.shape)}")
     is_opd = cfg.objective.name != "grpo"
     bank = None
+    cells = [(d, e) for d, _, e in task_cells(cfg.tasks)]
+    cell_weights = {}
     if is_opd:
         bank = TeacherBank(dict(cfg.teachers.paths), max_loaded=cfg.teachers.max_loaded or None)
+        cell_weights = check_routing(cells, bank.keys(), cfg.teachers.routing,
+                                     table=dict(cfg.teachers.table),
+                                     weights=cfg.teachers.weights.to_dict(),
+                                     single_teacher=cfg.objective.name != "deepseek_full_vocab")
         bank.validate(model_config.vocab_size)
     model_meta = model_config.to_dict()
     ckpt = check_workdir(workdir, model_meta)
@@ -146,11 +166,25 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
 
     logp_fn = jax.jit(functools.partial(batch_logprobs, graphdef=graphdef))
     scorer = _TeacherScorer(bank, tokenizer, "hidden" if cfg.objective.name ==
-                            "deepseek_full_vocab" else "logp") if is_opd else None
+                            "deepseek_full_vocab" else "logp",
+                            role=cfg.teachers.prompt_role) if is_opd else None
+    heldout = [t for d, fam, e in task_cells(cfg.tasks)
+               for t in evaluate.heldout_tasks({d: fam}, (e,), n=cfg.eval.n,
+                                               seed=cfg.tasks.seed + cfg.eval.seed,
+                                               difficulty=cfg.tasks.difficulty)]
+    eval_sampling = SamplingConfig(**dict(cfg.eval.sampling))
+    # A cell's held-out reward is reported under the teacher with the largest weight there.
+    cell_keys = {c: max(w, key=w.get) for c, w in cell_weights.items()}
+
+    def run_eval(state) -> tuple[list, dict]:
+        model = nnx.merge(graphdef, state.params, state.rest)
+        rows = evaluate.evaluate_tasks(model, tokenizer, heldout, eval_sampling,
+                                       seed=cfg.eval.seed, batch_size=cfg.eval.batch_size)
+        return rows, heldout_metrics(rows, cell_keys)
     sampling = SamplingConfig(**dict(cfg.rollout.sampling))
     writer = MetricsWriter(workdir)
     meta = {"model": model_meta, "kind": cfg.objective.name}
-    history = []
+    history, eval_rows = [], None
     bar = tqdm(range(start, steps), initial=start, total=steps, desc=cfg.objective.name,
                disable=not progress or jax.process_index() != 0, dynamic_ncols=True)
     try:
@@ -184,13 +218,11 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
             batch["adv"] = adv_B.astype(np.float32)
             teachers_W = ()
             if is_opd:
-                keys = [route(e.task, cfg.teachers.routing, dict(cfg.teachers.table))
-                        for e in episodes]
-                scored = scorer(episodes, keys, seqs)
+                weights = [cell_weights[cell_of(e.task)] for e in episodes]
+                scored = scorer(episodes, weights, seqs)
                 order = sorted(scored)
-                onehot = np.zeros((len(episodes), len(order)), np.float32)
-                for s, key in enumerate(order):
-                    onehot[scored[key][0], s] = 1.0
+                onehot = np.asarray([[w.get(k, 0.0) for k in order] for w in weights],
+                                    np.float32)     # [B, S]: one-hot unless routing=mixture
                 batch["teacher_onehot"] = onehot
                 if scorer.kind == "logp":
                     tl = np.zeros(batch["mask"].shape, np.float32)
@@ -199,8 +231,9 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                         tl[rows] = np.asarray(vals)[rows]
                     batch["teacher_logp"] = tl
                 else:
+                    # Rows a teacher does not score hold zeros (masked out in the loss).
                     batch["teacher_hidden"] = tuple(
-                        jnp.asarray(scored[k][1]) * jnp.asarray(onehot[:, s, None, None])
+                        jnp.asarray(scored[k][1]) * jnp.asarray(onehot[:, s, None, None] > 0)
                         for s, k in enumerate(order))
                     batch["teacher_weights"] = onehot
                     teachers_W = tuple(scored[k][2] for k in order)
@@ -221,10 +254,15 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                     sub = sh.shard_batch(jax.tree.map(lambda x: x[idx], batch), mesh, rules)
                     state, m = step_fn(len(teachers_W))(state, sub, teachers_W)
             m = {k: float(v) for k, v in jax.device_get(m).items()}
+            if is_opd:   # slot s of this iteration -> the teacher's key, stable across steps
+                m = {_teacher_name(k, order): v for k, v in m.items()}
             metrics |= m
             n_tok = sum(e.sampled_tokens for e in episodes)
             metrics["tokens_per_s"] = n_tok / max(time.time() - t0, 1e-9)
             done = it + 1
+            if (cfg.eval.every and done % cfg.eval.every == 0) or done == steps:
+                eval_rows, em = run_eval(state)
+                metrics |= em
             history.append({"step": done, **metrics})
             if done % cfg.train.log_every == 0 or done == steps:
                 writer.write(done, metrics)
@@ -234,11 +272,34 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     finally:
         ckpt.close()
         writer.close()
+    if eval_rows is not None:
+        evaluate.write_rows(eval_rows, os.path.join(workdir, "eval"))
     if bank is not None:
         with open(os.path.join(workdir, "teacher_cache.json"), "w", encoding="utf-8") as f:
             json.dump({"stats": bank.stats, "events": bank.events}, f, indent=2)
-    return {"history": history, "checkpoint": ckpt.directory,
+    return {"history": history, "checkpoint": ckpt.directory, "eval": eval_rows,
             "teacher_cache": bank.stats if bank else None}
+
+
+def _teacher_name(metric: str, order: list[str]) -> str:
+    """"teacher1/kl" -> "teacher/<key of slot 1>/kl"; other metrics unchanged."""
+    head, _, rest = metric.partition("/")
+    if head.startswith("teacher") and head[7:].isdigit() and rest:
+        return f"teacher/{order[int(head[7:])]}/{rest}"
+    return metric
+
+
+def heldout_metrics(rows: list[dict], cell_keys: dict[str, str]) -> dict:
+    """heldout/<cell>/{reward,pass_rate,length}, heldout/reward, teacher/<key>/heldout_reward."""
+    out = {"heldout/reward": float(np.mean([r["reward"] for r in rows]))}
+    by_key = defaultdict(list)
+    for r in rows:
+        for k in ("reward", "pass_rate", "length"):
+            out[f"heldout/{r['cell']}/{k}"] = r[k]
+        if r["cell"] in cell_keys:
+            by_key[cell_keys[r["cell"]]].append(r["reward"])
+    out |= {f"teacher/{k}/heldout_reward": float(np.mean(v)) for k, v in by_key.items()}
+    return out
 
 
 def _reward_metrics(episodes) -> dict:

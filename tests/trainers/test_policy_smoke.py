@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SMALL = ["--config.model.hidden_size=32", "--config.model.intermediate_size=64",
          "--config.model.num_layers=1", "--config.model.head_dim=8",
          "--config.rollout.prompts_per_step=8", "--config.rollout.sampling.max_new_tokens=8",
-         "--config.rollout.sampling.max_turns=2", "--config.train.ckpt_every=1"]
+         "--config.rollout.sampling.max_turns=2", "--config.train.ckpt_every=1",
+         "--config.eval.n=4", "--config.eval.sampling.max_new_tokens=8"]
 
 
 def _teacher(path, vocab=128):
@@ -67,8 +68,15 @@ def test_opd_objectives_run(tmp_path, objective):
                                f"'general': '{teacher}'}}"])
     out = train_policy(cfg, str(tmp_path / "run"), progress=False)
     last = out["history"][-1]
-    assert "teacher0/tokens" in last and last["teacher0/tokens"] > 0
-    assert ("teacher0/kl" if objective == "deepseek_full_vocab" else "teacher0/log_ratio") in last
+    key = "general/high" if objective == "kimi_mopd" else "general"
+    assert last[f"teacher/{key}/tokens"] > 0
+    assert f"teacher/{key}/" + ("kl" if objective == "deepseek_full_vocab" else "log_ratio") in last
+    # Held-out evaluation at the end, per cell and per teacher, also written as JSON and CSV.
+    assert 0.0 <= last[f"teacher/{key}/heldout_reward"] <= 1.0
+    assert last["heldout/general/high/reward"] == last[f"teacher/{key}/heldout_reward"]
+    rows = json.load(open(tmp_path / "run" / "eval" / "eval.json"))
+    assert [r["cell"] for r in rows] == ["general/high"] and rows[0]["n"] == 4
+    assert (tmp_path / "run" / "eval" / "eval.csv").read_text().startswith("cell,domain,effort")
     cache = json.load(open(tmp_path / "run" / "teacher_cache.json"))
     assert cache["stats"]["loads"] == 1
 
@@ -82,4 +90,15 @@ def test_opd_bad_banks_fail_early(tmp_path):
     cfg = load_config(base, SMALL + ["--config.teachers.paths={'general/high': '/nope'}"])
     with pytest.raises(FileNotFoundError, match="teacher checkpoint '/nope' does not exist"):
         train_policy(cfg, str(tmp_path / "b"), progress=False)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    good = _teacher(tmp_path / "t128")
+    cfg = load_config(base, SMALL + [f"--config.teachers.paths={{'general/high': '{good}'}}",
+                                     "--config.tasks.efforts=('high', 'max')"])
+    with pytest.raises(KeyError, match="no teacher for \\(domain, effort\\) 'general/max'"):
+        train_policy(cfg, str(tmp_path / "c"), progress=False)
+    ds = os.path.join(ROOT, "configs/opd.py:deepseek_full_vocab")
+    cfg = load_config(ds, SMALL + [f"--config.teachers.paths={{'a': '{good}', 'b': '{good}'}}",
+                                   "--config.teachers.routing=mixture",
+                                   "--config.teachers.weights={'general': {'a': 0.5, 'b': 0.6}}"])
+    with pytest.raises(ValueError, match="teacher weights for 'general/high' sum to 1.1"):
+        train_policy(cfg, str(tmp_path / "d"), progress=False)
+    assert not any((tmp_path / d).exists() for d in "abcd")

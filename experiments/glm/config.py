@@ -1,0 +1,67 @@
+"""GLM recipe: SFT -> Reasoning RL -> Agentic RL -> General RL, then cross-stage OPD.
+
+Run (from the repository root):
+
+    opd-jax experiment --config experiments/glm/config.py:reduced --workdir runs/glm
+
+Domains stand in for GLM's stages: reasoning = general (arithmetic), agentic = agent
+(tool_lookup, multi-turn), general = coding (code_expr). Thinking is switched per prompt
+(<|think_on|> / <|think_off|>). Presets: ``reduced`` (1 seed, CPU tens of minutes),
+``full`` (3 seeds), ``smoke`` (tests).
+"""
+import ml_collections
+
+from opd_jax.recipes import trainer_config as base
+
+
+def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.recipe = "glm"
+    c.tokenizer = "synthetic"
+    c.seeds = (0,)
+    c.domains = {"general": "arithmetic", "agent": "tool_lookup", "coding": "code_expr"}
+    c.efforts = ("think_on", "think_off")
+    # (stage, domains it trains on), in order (a tuple: ConfigDict maps do not keep order)
+    c.stages = (("reasoning_rl", ("general",)), ("agentic_rl", ("agent",)),
+                ("general_rl", ("coding",)))
+    c.stage_teachers = {"general": "reasoning_rl", "agent": "agentic_rl",
+                        "coding": "general_rl"}
+    c.sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=150",
+                 "--config.train.ckpt_every=50", "--config.data.tasks.difficulty=2")
+    c.rl = base("grpo.py:tiny", "--config.train.steps=20", "--config.optim.lr=1e-3",
+                "--config.rollout.prompts_per_step=16", "--config.eval.every=5",
+                "--config.eval.n=16", "--config.tasks.difficulty=2",
+                "--config.rollout.sampling.max_new_tokens=48")
+    c.student = base("opd.py:glm_cross_stage", "--config.train.steps=20",
+                     "--config.optim.lr=1e-3", "--config.rollout.prompts_per_step=32",
+                     "--config.eval.every=5", "--config.eval.n=16",
+                     "--config.tasks.difficulty=2", "--config.rollout.sampling.max_new_tokens=48")
+    c.merge = ml_collections.ConfigDict(dict(method="average"))
+    c.eval = base("eval.py:grid").eval
+    c.eval.n = 64
+    c.eval.difficulty = 2
+    c.eval.sampling.max_new_tokens = 48
+    if arg == "reduced":
+        pass
+    elif arg == "full":
+        c.seeds = (0, 1, 2)
+        c.rl.train.steps = 40
+        c.student.train.steps = 40
+    elif arg == "smoke":
+        c.domains = {"general": "arithmetic", "coding": "code_expr"}
+        c.stages = (("reasoning_rl", ("general",)), ("general_rl", ("coding",)))
+        c.stage_teachers = {"general": "reasoning_rl", "coding": "general_rl"}
+        c.sft.train.steps = 4
+        c.sft.model.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, head_dim=8))
+        for s in (c.rl, c.student):
+            s.train.steps = 2
+            s.eval.every = 1
+            s.eval.n = 2
+            s.rollout.prompts_per_step = 4
+            s.rollout.sampling.max_new_tokens = 8
+        c.rl.rollout.group_size = 2
+        c.eval.n = 2
+        c.eval.sampling.max_new_tokens = 8
+    else:
+        raise KeyError(f"presets are reduced, full, smoke; got {arg!r}")
+    return c

@@ -1,0 +1,59 @@
+"""The three recipes as multi-stage experiments: kimi_k3, glm, deepseek_v4.
+
+    opd-jax experiment --config experiments/kimi_k3/config.py:reduced --workdir runs/kimi_k3
+
+runs every stage of every seed (resumable), evaluates, and writes results.json,
+results.md and PNG plots under the workdir. See `pipeline` (stages) and `report`.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+RECIPES = ("kimi_k3", "glm", "deepseek_v4")
+
+
+def recipe_module(name: str):
+    if name not in RECIPES:
+        raise ValueError(f"recipe {name!r}: expected one of {RECIPES}")
+    return importlib.import_module(f"opd_jax.recipes.{name}")
+
+
+def run_experiment(c, workdir: str, *, progress: bool = True) -> dict:
+    """Every seed's stages, then the report. Re-running resumes / only re-reports."""
+    from opd_jax.recipes.pipeline import check_stages, run_stages
+    from opd_jax.trainers.builders import build_tokenizer
+    mod = recipe_module(c.recipe)
+    seeds = tuple(int(s) for s in c.seeds)
+    if not seeds:
+        raise ValueError("experiment needs at least one seed (config.seeds)")
+    for seed in seeds:                       # every seed's plan is checked before any work
+        check_stages(mod.build(c, seed))
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(c.to_dict(), f, indent=2, default=str)
+    for seed in seeds:
+        print(f"== {c.recipe} seed {seed}", flush=True)
+        run_stages(mod.build(c, seed), os.path.join(workdir, f"seed{seed}"), progress=progress)
+    return mod.report(c, workdir, seeds, build_tokenizer(c.tokenizer))
+
+
+CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs")
+
+
+def trainer_config(path: str, *overrides: str):
+    """A trainer config from the repository's configs/ folder, unlocked for recipes.
+
+    >>> trainer_config("grpo.py:tiny", "--config.train.steps=20")
+    """
+    import ml_collections
+
+    from opd_jax.config import load_config
+    file = os.path.join(CONFIGS_DIR, path.split(":")[0])
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"trainer config {file!r} not found: recipes read configs/ "
+                                f"from a source checkout (pip install -e .)")
+    return ml_collections.ConfigDict(
+        load_config(os.path.join(CONFIGS_DIR, path), list(overrides)).to_dict())

@@ -1,0 +1,213 @@
+"""Kimi K3: SFT cold start -> one GRPO teacher per (domain, effort) -> MOPD into one student.
+
+Efforts follow Kimi's ladder: each domain's max-effort teacher is trained first (from the
+SFT cold start), then high and low are derived by *budget annealing* — RL continues from the
+next-higher effort's teacher with the smaller thinking budget and stronger length penalty of
+the lower effort. ``effort_schedule="plain"`` trains every effort from SFT directly instead,
+and ``"both"`` trains both ladders and reports the plain teachers next to the annealed ones.
+The student starts from the SFT checkpoint and distills every cell's teacher (routed per
+sample by (domain, effort)) with the clipped sampled-token signal; the baseline merges the
+teachers' weights (task arithmetic on the SFT base).
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from opd_jax.recipes.pipeline import Stage
+
+LADDER = ("max", "high", "low")     # annealing order: each from the previous one
+
+
+def teacher_name(domain: str, effort: str, plain: bool = False) -> str:
+    return f"{'plain' if plain else 'rl'}_{domain}_{effort}"
+
+
+def _with(cfg: ml_collections.ConfigDict, seed: int, families: dict, efforts) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict(cfg.to_dict())
+    c.seed = seed
+    tasks = c.data.tasks if "data" in c else c.tasks
+    tasks.families = dict(families)
+    tasks.efforts = tuple(efforts)
+    tasks.seed = seed
+    return c
+
+
+def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
+    domains, efforts = dict(c.domains), tuple(c.efforts)
+    unknown = sorted(set(efforts) - set(LADDER))
+    if unknown:
+        raise ValueError(f"kimi_k3 efforts {unknown}: expected a subset of {LADDER}")
+    stages = [Stage("sft", "sft", _with(c.sft, seed, domains, efforts))]
+    ladder = [e for e in LADDER if e in efforts]
+    teachers = {}
+    for domain, fam in domains.items():
+        prev = "sft"
+        for effort in ladder:
+            if c.effort_schedule in ("anneal", "both"):
+                name = teacher_name(domain, effort)
+                stages.append(Stage(name, "grpo", _with(c.teacher, seed, {domain: fam}, (effort,)),
+                                    init_from=prev))
+                prev = name
+                teachers[f"{domain}/{effort}"] = name
+            if c.effort_schedule in ("plain", "both"):
+                name = teacher_name(domain, effort, plain=True)
+                stages.append(Stage(name, "grpo", _with(c.teacher, seed, {domain: fam}, (effort,)),
+                                    init_from="sft"))
+                teachers.setdefault(f"{domain}/{effort}", name)
+    if c.effort_schedule not in ("anneal", "plain", "both"):
+        raise ValueError(f"effort_schedule={c.effort_schedule!r}: expected anneal, plain, both")
+    stages.append(Stage("student", "opd", _with(c.student, seed, domains, efforts),
+                        init_from="sft", teachers=teachers))
+    stages.append(Stage("merge", "merge", ml_collections.ConfigDict(dict(c.merge)),
+                        init_from="sft", teachers=teachers))
+    return stages
+
+
+def routed_teachers(stages: list[Stage]) -> dict[str, str]:
+    """cell -> teacher stage, as the student saw them."""
+    return dict(next(s for s in stages if s.name == "student").teachers)
+
+
+def rl_steps_to(stages: list[Stage], name: str, records: dict) -> int:
+    """Optimizer steps of RL on the way to teacher `name` (its whole annealing chain)."""
+    by = {s.name: s for s in stages}
+    steps, s = 0, by[name]
+    while s.kind == "grpo":
+        steps += records[s.name]["optimizer_steps"]
+        s = by[s.init_from]
+    return steps
+
+
+def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
+    """Evaluate every seed's stages and write results.json, results.md and the plots."""
+    import os
+
+    import numpy as np
+
+    from opd_jax.recipes import report as rp
+    from opd_jax.recipes.pipeline import read_done
+
+    domains, efforts = dict(c.domains), tuple(c.efforts)
+    cells = [(d, fam, e) for d, fam in domains.items() for e in efforts]
+    names = [f"{d}/{e}" for d, _, e in cells]
+    ev, diff, hard = c.eval, c.eval.difficulty, c.eval.hard_difficulty
+    per_seed = []
+    for seed in seeds:
+        sw = os.path.join(workdir, f"seed{seed}")
+        stages = build(c, seed)
+        records = {s.name: read_done(sw, s.name) for s in stages}
+        routed = routed_teachers(stages)
+        evs = lambda stage, cs, d: rp.evaluate_stage(sw, stage, cs, ev, tokenizer=tokenizer,
+                                                     difficulty=d)
+        r = {"teacher": {}, "teacher_hard": {}, "plain": {}, "student": evs("student", cells, diff),
+             "student_hard": evs("student", cells, hard), "merge": evs("merge", cells, diff),
+             "sft": evs("sft", cells, diff), "opd_steps": {}, "rl_steps": {}}
+        student_curve = {}
+        for cell, (d, fam, e) in zip(names, cells):
+            t = routed[cell]
+            r["teacher"][cell] = evs(t, [(d, fam, e)], diff)[cell]
+            r["teacher_hard"][cell] = evs(t, [(d, fam, e)], hard)[cell]
+            if c.effort_schedule == "both":
+                r["plain"][cell] = evs(teacher_name(d, e, plain=True), [(d, fam, e)], diff)[cell]
+            r["rl_steps"][cell] = rl_steps_to(stages, t, records)
+            xs, ys = rp.curve(sw, "student", f"heldout/{cell}/reward")
+            student_curve[cell] = (xs, ys)
+            level = c.teacher_level * r["teacher"][cell]["reward"]
+            hit = next((x for x, y in zip(xs, ys) if y >= level), None)
+            per_it = c.student.rl.ppo_epochs * c.student.rl.minibatches
+            r["opd_steps"][cell] = None if hit is None else hit * per_it
+        r["curves"] = student_curve
+        per_seed.append(r)
+
+    def vals(kind, cell, key="reward"):
+        return [s[kind][cell][key] for s in per_seed]
+
+    rows, out_cells = [], {}
+    for cell in names:
+        ret = [rp.ratio(s["student"][cell]["reward"], s["teacher"][cell]["reward"])
+               for s in per_seed]
+        mret = [rp.ratio(s["merge"][cell]["reward"], s["teacher"][cell]["reward"])
+                for s in per_seed]
+        opd = [s["opd_steps"][cell] for s in per_seed]
+        rl = [s["rl_steps"][cell] for s in per_seed]
+        out_cells[cell] = {
+            "teacher": vals("teacher", cell), "student": vals("student", cell),
+            "merge": vals("merge", cell), "sft": vals("sft", cell), "retention": ret,
+            "merge_retention": mret, "teacher_len": vals("teacher", cell, "length"),
+            "student_len": vals("student", cell, "length"),
+            "teacher_hard": vals("teacher_hard", cell), "student_hard": vals("student_hard", cell),
+            "plain": vals("plain", cell) if c.effort_schedule == "both" else [],
+            "opd_steps": opd, "rl_steps": rl}
+        rows.append([cell, rp.fmt(out_cells[cell]["sft"]), rp.fmt(out_cells[cell]["teacher"]),
+                     rp.fmt(out_cells[cell]["student"]), rp.fmt(ret, pct=True),
+                     rp.fmt(out_cells[cell]["merge"]),
+                     rp.fmt(out_cells[cell]["plain"]) if out_cells[cell]["plain"] else "-",
+                     f"{np.mean(out_cells[cell]['teacher_len']):.1f} / "
+                     f"{np.mean(out_cells[cell]['student_len']):.1f}",
+                     "/".join("-" if o is None else str(o) for o in opd) + f" vs {rl[0]}"])
+    claims = _claims(c, out_cells, domains, efforts)
+    results = {"recipe": "kimi_k3", "seeds": list(seeds), "cells": out_cells, "claims": claims}
+    rp.write_json(os.path.join(workdir, "results.json"), results)
+    header = ["cell", "SFT", "teacher", "student (MOPD)", "retention", "merged",
+              "plain teacher", "length T / S", "OPD steps to teacher level vs RL steps"]
+    md = [f"# kimi_k3 results ({len(seeds)} seed(s): {list(seeds)})", "",
+          f"Held-out reward (greedy, n={ev.n} per cell, difficulty {diff}); mean ± std over "
+          f"seeds. Retention = student / teacher reward on the teacher's cell.", "",
+          rp.markdown_table(header, rows), "", "## Claims", ""]
+    md += [f"- **{'PASS' if cl['pass'] else 'FAIL'}** {cl['claim']}: {cl['measured']}"
+           for cl in claims]
+    md += ["", f"Effort check at difficulty {hard}:", "",
+           rp.markdown_table(["cell", "teacher", "student"],
+                             [[cell, rp.fmt(out_cells[cell]["teacher_hard"]),
+                               rp.fmt(out_cells[cell]["student_hard"])] for cell in names]),
+           "", "![curves](curves.png)", "", "![retention](retention.png)", ""]
+    with open(os.path.join(workdir, "results.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(md))
+    s0 = per_seed[0]
+    rp.plot_curves(os.path.join(workdir, "curves.png"), {
+        cell: [{"x": s0["curves"][cell][0], "y": s0["curves"][cell][1], "label": "student (MOPD)"},
+               {"y": s0["teacher"][cell]["reward"], "label": "teacher", "color": "k"},
+               {"y": s0["merge"][cell]["reward"], "label": "merged", "color": "r"}]
+        for cell in names}, title=f"kimi_k3: student held-out reward per cell (seed {seeds[0]})")
+    rp.plot_bars(os.path.join(workdir, "retention.png"), names, {
+        "student / teacher": [np.mean(out_cells[c_]["retention"]) for c_ in names],
+        "merged / teacher": [np.mean(out_cells[c_]["merge_retention"]) for c_ in names]},
+        errors={"student / teacher": [np.std(out_cells[c_]["retention"]) for c_ in names],
+                "merged / teacher": [np.std(out_cells[c_]["merge_retention"]) for c_ in names]},
+        title="kimi_k3: retention of teacher reward", ylabel="fraction of teacher reward",
+        hline=1.0)
+    return results
+
+
+def _claims(c, cells: dict, domains: dict, efforts) -> list[dict]:
+    import numpy as np
+    ret = {k: float(np.mean(v["retention"])) for k, v in cells.items()}
+    mean_ret = float(np.mean(list(ret.values())))
+    worst = min(ret, key=ret.get)
+    beats = [k for k, v in cells.items() if np.mean(v["student"]) > np.mean(v["merge"])]
+    need = max(len(cells) - 1, 1)
+    fast = {k: (v["opd_steps"], v["rl_steps"]) for k, v in cells.items()}
+    fast_ok = [k for k, (o, r) in fast.items()
+               if all(x is not None and x * 5 <= y for x, y in zip(o, r))]
+    out = [
+        {"claim": "MOPD mean retention >= 95% over the cells, every cell >= 90%",
+         "pass": mean_ret >= 0.95 and ret[worst] >= 0.90,
+         "measured": f"mean {mean_ret:.1%}, worst {worst} {ret[worst]:.1%}"},
+        {"claim": f"OPD student beats the merged model on >= {need} of {len(cells)} cells",
+         "pass": len(beats) >= need, "measured": f"{len(beats)} of {len(cells)}"},
+        {"claim": "OPD reaches teacher level in <= 1/5 of the RL optimizer steps",
+         "pass": len(fast_ok) == len(cells),
+         "measured": f"{len(fast_ok)} of {len(cells)} cells (level = "
+                     f"{c.teacher_level:.0%} of teacher reward)"},
+    ]
+    ladder = [e for e in ("max", "high", "low") if e in efforts]
+    for who in ("teacher", "student"):
+        ok = []
+        for d in domains:
+            m = [float(np.mean(cells[f"{d}/{e}"][f"{who}_hard"])) for e in ladder]
+            ok.append(all(a > b for a, b in zip(m, m[1:])))
+            out_m = ", ".join(f"{e} {v:.3f}" for e, v in zip(ladder, m))
+            out.append({"claim": f"effort axis ({who}, {d}): "
+                                 f"{' > '.join(ladder)} at the hardest difficulty",
+                        "pass": bool(ok[-1]), "measured": out_m})
+    return out

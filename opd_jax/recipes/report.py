@@ -1,0 +1,148 @@
+"""Evaluation of experiment stages, results tables (JSON and markdown) and plots.
+
+Each evaluated (stage, cells, difficulty) is cached in the stage folder as
+``eval_<tag>.json``, so re-running a finished experiment only rebuilds its report.
+Plots use matplotlib's Agg backend (files only, no screen).
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from opd_jax.recipes.pipeline import stage_dir
+
+
+def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]], ev, *,
+                   tokenizer, difficulty: int, tag: str = "") -> dict[str, dict]:
+    """{cell: row} of stage `name` on `cells` ((domain, family, effort) triples), cached."""
+    from opd_jax import envs
+    from opd_jax.teachers import TeacherSpec
+    from opd_jax.trainers.episodes import SamplingConfig
+    from opd_jax.trainers.evaluate import heldout_tasks, evaluate_tasks
+    tag = tag or f"d{difficulty}_" + "_".join(f"{d}-{e}" for d, _, e in cells)
+    path = os.path.join(stage_dir(workdir, name), f"eval_{tag}.json")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    tasks: list[envs.Task] = []
+    for domain, fam, effort in cells:
+        tasks += heldout_tasks({domain: fam}, (effort,), n=ev.n, seed=ev.seed,
+                               difficulty=difficulty)
+    model = TeacherSpec(stage_dir(workdir, name)).load()
+    rows = evaluate_tasks(model, tokenizer, tasks, SamplingConfig(**dict(ev.sampling)),
+                          seed=ev.seed, batch_size=ev.batch_size)
+    out = {r["cell"]: r for r in rows}
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=2)
+    os.replace(tmp, path)
+    return out
+
+
+def ratio(num: float, den: float) -> float:
+    """num / den; NaN when den is 0 (a retention of a teacher that scores 0 is undefined)."""
+    return float(num) / float(den) if den > 0 else float("nan")
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    a = np.asarray(values, np.float64)
+    return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
+
+
+def fmt(values: Sequence[float], pct: bool = False) -> str:
+    """"0.812 ± 0.020" over seeds ("0.812" for one seed); pct: "81.2% ± 2.0"."""
+    if not len(values):
+        return "-"
+    m, s = mean_std(values)
+    k = 100.0 if pct else 1.0
+    body = f"{m * k:.1f}%" if pct else f"{m:.3f}"
+    return body + (f" ± {s * k:.{1 if pct else 3}f}" if len(values) > 1 else "")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, default=float)
+    os.replace(tmp, path)
+
+
+def curve(workdir: str, stage: str, key: str) -> tuple[list[int], list[float]]:
+    """(iterations, values) of a logged metric of a stage (held-out rewards are sparse)."""
+    from opd_jax.trainers.metrics import read_metrics
+    pts = {}
+    for m in read_metrics(stage_dir(workdir, stage)):
+        if key in m:
+            pts[m["step"]] = m[key]          # a resumed run may log a step twice: last wins
+    steps = sorted(pts)
+    return steps, [pts[s] for s in steps]
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_curves(path: str, panels: Mapping[str, Sequence[dict]], *, title: str,
+                ylabel: str = "held-out reward") -> str:
+    """One panel per cell; each line {"x", "y", "label"}; each hline {"y", "label"} dashed."""
+    plt = _plt()
+    n = len(panels)
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, (name, lines) in zip(axes.flat, panels.items()):
+        for ln in lines:
+            if "x" in ln:
+                ax.plot(ln["x"], ln["y"], marker="o", ms=3, label=ln["label"])
+            else:
+                ax.axhline(ln["y"], ls="--", lw=1, color=ln.get("color", "k"), label=ln["label"])
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(-0.05, 1.05)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_bars(path: str, groups: Sequence[str], series: Mapping[str, Sequence[float]], *,
+              title: str, ylabel: str, hline: float | None = None,
+              errors: Mapping[str, Sequence[float]] | None = None) -> str:
+    """Grouped bars: one group per cell, one bar per series (e.g. student, merge)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(groups) * len(series)), 3.6))
+    width = 0.8 / max(len(series), 1)
+    x = np.arange(len(groups))
+    for i, (name, vals) in enumerate(series.items()):
+        err = (errors or {}).get(name)
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, yerr=err, capsize=3,
+               label=name)
+    if hline is not None:
+        ax.axhline(hline, ls="--", color="k", lw=1)
+    ax.set_xticks(x, groups, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,131 @@
+"""Evaluate a policy on every (domain, effort) cell of a task grid.
+
+One row per cell: mean reward, pass rate (fraction of episodes the verifier marked correct)
+and mean response length (sampled tokens), over `n` held-out tasks per cell. The tasks of a
+cell come from a seed the trainers never train on (`EVAL_SEED_OFFSET` is added to the task
+seed), and every effort of a domain sees the same problems, so efforts differ only by their
+control token and budget.
+
+    rows = evaluate_model(model, tokenizer, {"general": "arithmetic"}, n=64)
+    print(format_rows(rows))
+
+The command line form evaluates any checkpoint (an HF folder or an opd_jax workdir):
+
+    opd-jax eval --checkpoint runs/opd_kimi --config configs/eval.py:grid --out runs/opd_kimi/eval
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from opd_jax import envs
+from opd_jax.trainers.episodes import SamplingConfig, cell_of, play
+
+EVAL_SEED_OFFSET = 1_000_003
+COLUMNS = ("cell", "domain", "effort", "family", "difficulty", "n", "reward", "pass_rate",
+           "length")
+
+
+def heldout_tasks(families: Mapping[str, str], efforts: Sequence[str], *, n: int, seed: int,
+                  difficulty: int = 1) -> list[envs.Task]:
+    """n tasks per (domain, effort) cell, from seed + EVAL_SEED_OFFSET (never trained on)."""
+    if n <= 0:
+        raise ValueError(f"eval n={n}: expected a positive number of tasks per cell")
+    out = []
+    for domain, fam in families.items():
+        if envs.get_family(fam).domain != domain:
+            raise ValueError(f"family {fam!r} is in domain {envs.get_family(fam).domain!r}, "
+                             f"not {domain!r}")
+        for effort in efforts:
+            out += list(envs.TaskSource(fam, size=n, seed=seed + EVAL_SEED_OFFSET,
+                                        difficulty=difficulty, effort=effort))
+    return out
+
+
+def evaluate_tasks(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig, *,
+                   seed: int = 0, batch_size: int = 64) -> list[dict]:
+    """Play `tasks` in batches and aggregate per cell (rows in first-seen cell order)."""
+    episodes = []
+    for i in range(0, len(tasks), batch_size):
+        episodes += play(model, tokenizer, tasks[i:i + batch_size], sampling,
+                         seed=seed * 7_919 + i)
+    return aggregate(episodes)
+
+
+def aggregate(episodes) -> list[dict]:
+    cells: dict[str, list] = {}
+    for e in episodes:
+        cells.setdefault(cell_of(e.task), []).append(e)
+    rows = []
+    for cell, eps in cells.items():
+        t = eps[0].task
+        rows.append({
+            "cell": cell, "domain": t.domain, "effort": t.effort, "family": t.family,
+            "difficulty": int(t.meta.get("difficulty", 0)), "n": len(eps),
+            "reward": float(np.mean([e.reward for e in eps])),
+            "pass_rate": float(np.mean([float(e.info.get("correct", 0.0)) for e in eps])),
+            "length": float(np.mean([e.sampled_tokens for e in eps])),
+        })
+    return rows
+
+
+def evaluate_model(model, tokenizer, families: Mapping[str, str],
+                   efforts: Sequence[str] = ("low", "high", "max"), *, n: int = 32,
+                   seed: int = 0, difficulty: int = 1, sampling: SamplingConfig | None = None,
+                   batch_size: int = 64) -> list[dict]:
+    """Rows of (cell, reward, pass_rate, length) on n held-out tasks per cell.
+
+    Default sampling is greedy (temperature 0): the table is a deterministic function of the
+    weights.
+    """
+    sampling = sampling or SamplingConfig(temperature=0.0)
+    tasks = heldout_tasks(families, efforts, n=n, seed=seed, difficulty=difficulty)
+    return evaluate_tasks(model, tokenizer, tasks, sampling, seed=seed, batch_size=batch_size)
+
+
+def format_rows(rows: Sequence[dict], title: str | None = None) -> str:
+    """A markdown table of evaluation rows."""
+    lines = [f"### {title}", ""] if title else []
+    lines += ["| cell | n | reward | pass rate | length |", "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['cell']} | {r['n']} | {r['reward']:.3f} | {r['pass_rate']:.3f} | "
+              f"{r['length']:.1f} |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_rows(rows: Sequence[dict], out_dir: str, name: str = "eval") -> tuple[str, str]:
+    """Write `name`.json and `name`.csv under out_dir (atomically); returns both paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    jpath, cpath = os.path.join(out_dir, f"{name}.json"), os.path.join(out_dir, f"{name}.csv")
+    tmp = jpath + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(list(rows), f, indent=2)
+    os.replace(tmp, jpath)
+    tmp = cpath + ".tmp"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, cpath)
+    return jpath, cpath
+
+
+def evaluate_checkpoint(path: str, cfg, *, out_dir: str | None = None) -> list[dict]:
+    """Load an HF folder or an opd_jax workdir and evaluate it as `cfg` (configs/eval.py) says."""
+    from opd_jax.trainers.builders import build_tokenizer
+    from opd_jax.teachers import TeacherSpec
+    from opd_jax.models import check_tokenizer_fits
+    spec = TeacherSpec(path)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    check_tokenizer_fits(tokenizer, spec.model_config())
+    model = spec.load()
+    rows = evaluate_model(model, tokenizer, dict(cfg.tasks.families), tuple(cfg.tasks.efforts),
+                          n=cfg.eval.n, seed=cfg.eval.seed, difficulty=cfg.tasks.difficulty,
+                          sampling=SamplingConfig(**dict(cfg.eval.sampling)),
+                          batch_size=cfg.eval.batch_size)
+    if out_dir:
+        write_rows(rows, out_dir)
+    return rows

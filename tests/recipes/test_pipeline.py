@@ -1,0 +1,111 @@
+"""Experiment plumbing: stage plans are checked before work, references resolve to workdirs,
+finished stages are skipped, tables and plots are written."""
+import json
+import os
+
+import ml_collections
+import pytest
+
+from opd_jax.config import load_config
+from opd_jax.recipes import recipe_module, report as rp
+from opd_jax.recipes.pipeline import Stage, check_stages, resolved_config, run_stages
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cfg(**kw):
+    return ml_collections.ConfigDict(kw)
+
+
+def test_check_stages_errors():
+    sft = Stage("sft", "sft", _cfg())
+    with pytest.raises(ValueError, match="stage name 'sft' appears twice"):
+        check_stages([sft, Stage("sft", "sft", _cfg())])
+    with pytest.raises(ValueError, match="stage 'rl' refers to 'teacher', which is not an "
+                                         "earlier stage \\(earlier: \\['sft'\\]\\)"):
+        check_stages([sft, Stage("rl", "grpo", _cfg(), init_from="teacher")])
+    with pytest.raises(ValueError, match="kind='bogus', expected one of"):
+        Stage("x", "bogus", _cfg())
+    with pytest.raises(ValueError, match="an OPD stage needs teachers"):
+        Stage("x", "opd", _cfg())
+
+
+def test_resolved_config_points_at_stage_workdirs(tmp_path):
+    cfg = _cfg(model=_cfg(init_from=""), teachers=_cfg(paths={}))
+    st = Stage("student", "opd", cfg, init_from="sft", teachers={"general/high": "rl"})
+    out = resolved_config(st, str(tmp_path))
+    assert out.model.init_from == str(tmp_path / "sft")
+    assert dict(out.teachers.paths) == {"general/high": str(tmp_path / "rl")}
+    assert cfg.model.init_from == ""          # the plan itself is not modified
+
+
+def test_finished_stages_are_skipped(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "done.json").write_text(json.dumps({"stage": "m", "wall_s": 1.0}))
+    # A merge of nothing would fail if it ran: it must be skipped.
+    records = run_stages([Stage("m", "merge", _cfg(method="average"))], str(tmp_path))
+    assert records == {"m": {"stage": "m", "wall_s": 1.0}}
+    assert "[1/1] merge m: done" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("recipe,n_stages", [("kimi_k3", 5), ("glm", 5), ("deepseek_v4", 7)])
+def test_smoke_plans(recipe, n_stages):
+    c = load_config(os.path.join(ROOT, f"experiments/{recipe}/config.py:smoke"))
+    stages = recipe_module(recipe).build(c, seed=3)
+    check_stages(stages)
+    assert len(stages) == n_stages
+    assert all(s.config.seed == 3 for s in stages if s.kind != "merge")
+    student = next(s for s in stages if s.name == "student")
+    assert student.init_from and student.teachers
+
+
+def test_reduced_and_full_plans():
+    k = recipe_module("kimi_k3")
+    c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:full"))
+    stages = k.build(c, 0)
+    names = [s.name for s in stages]
+    # Annealed ladder: max from SFT, high from max, low from high; plain ones from SFT.
+    by = {s.name: s for s in stages}
+    assert by["rl_coding_max"].init_from == "sft"
+    assert by["rl_coding_high"].init_from == "rl_coding_max"
+    assert by["rl_coding_low"].init_from == "rl_coding_high"
+    assert by["plain_coding_low"].init_from == "sft"
+    assert len([n for n in names if n.startswith(("rl_", "plain_"))]) == 18
+    assert by["student"].teachers["agent/low"] == "rl_agent_low"
+    assert by["rl_agent_low"].config.tasks.efforts == ("low",)
+    d = load_config(os.path.join(ROOT, "experiments/deepseek_v4/config.py:reduced"))
+    st = {s.name: s for s in recipe_module("deepseek_v4").build(d, 0)}
+    assert len([n for n in st if n.startswith("spec_")]) >= 4
+    assert st["student"].config.teachers.max_loaded < 4
+    assert set(st["student"].config.tasks.cells) == {"general/low", "general/max",
+                                                     "agent/high", "coding/high"}
+    g = load_config(os.path.join(ROOT, "experiments/glm/config.py:reduced"))
+    gs = {s.name: s for s in recipe_module("glm").build(g, 0)}
+    assert [gs[n].init_from for n in ("reasoning_rl", "agentic_rl", "general_rl")] == [
+        "sft", "reasoning_rl", "agentic_rl"]
+    assert gs["student"].init_from == "general_rl"
+    assert gs["student"].teachers == {"general": "reasoning_rl", "agent": "agentic_rl",
+                                      "coding": "general_rl"}
+
+
+def test_glm_bad_stage_teacher():
+    g = load_config(os.path.join(ROOT, "experiments/glm/config.py:smoke"),
+                    ["--config.stage_teachers={'general': 'nope', 'coding': 'general_rl'}"])
+    with pytest.raises(ValueError, match="stage_teachers \\{'general': 'nope'\\}"):
+        recipe_module("glm").build(g, 0)
+
+
+def test_report_helpers(tmp_path):
+    assert rp.fmt([0.5]) == "0.500"
+    assert rp.fmt([0.5, 0.7]) == "0.600 ± 0.141"
+    assert rp.fmt([0.9, 1.0], pct=True) == "95.0% ± 7.1"
+    assert rp.ratio(1.0, 0.0) != rp.ratio(1.0, 0.0)       # NaN: undefined retention
+    md = rp.markdown_table(["a", "b"], [["x", "1"]])
+    assert md.splitlines() == ["| a | b |", "|---|---:|", "| x | 1 |"]
+    p = rp.plot_bars(str(tmp_path / "b.png"), ["c1", "c2"], {"s": [0.5, 1.0]}, title="t",
+                     ylabel="y", hline=1.0)
+    q = rp.plot_curves(str(tmp_path / "c.png"), {"c1": [{"x": [1, 2], "y": [0.1, 0.2],
+                                                         "label": "s"},
+                                                        {"y": 0.5, "label": "t"}]}, title="t")
+    for f in (p, q):
+        assert open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
