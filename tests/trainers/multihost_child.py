@@ -5,7 +5,8 @@
 Starts `opd_jax.distributed` (gloo, 4 CPU devices per process), then `run()`: on a mesh
 spanning every process, a GRPO, a Kimi-MOPD (teacher log-probs) and a DeepSeek full-vocab
 (teacher hidden states) policy step through `compile_step`, from the same seeded model and
-the same global batch on every process. Process 0 writes the gathered parameters after
+the same global batch on every process, then sampling with rows sharded over the
+mesh (`generate(mesh=)`). Process 0 writes the gathered parameters after
 each stage (and the metrics) to OUT_DIR/params.npz. The test runs `run()` single-process on
 8 devices and compares.
 
@@ -42,7 +43,8 @@ def _batch() -> dict[str, np.ndarray]:
 
 
 def run(mesh_shape=MESH_SHAPE) -> dict[str, np.ndarray]:
-    """GRPO -> Kimi MOPD -> DeepSeek full-vocab steps; params after each (host numpy)."""
+    """GRPO -> Kimi MOPD -> DeepSeek full-vocab steps -> sampling; params after each step,
+    metrics and samples (host numpy)."""
     import jax
     import ml_collections
     from flax import nnx
@@ -127,6 +129,14 @@ def run(mesh_shape=MESH_SHAPE) -> dict[str, np.ndarray]:
     state, m = step_fn("deepseek_full_vocab", 2, implementation="xla")(state, batch, unembed)
     out |= _flat("deepseek_full_vocab", fetch(state.params))
     out |= {f"metrics/deepseek_full_vocab/{k}": v for k, v in fetch(m).items()}
+
+    # 4. Sampling from the trained global params with rows and cache sharded on the mesh.
+    from opd_jax.rollout import generate
+    res = generate(nnx.merge(graphdef, state.params, state.rest),
+                   [[1, 5, 9], [2, 7], [3, 3, 3, 4], [6]] * 2, max_new_tokens=6,
+                   temperature=1.0, top_p=0.9, seed=3, max_len=32, mesh=mesh)
+    out["generate/tokens"] = np.asarray(res.tokens)
+    out["generate/logprobs"] = np.asarray(res.logprobs)
     return out
 
 

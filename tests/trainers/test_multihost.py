@@ -1,8 +1,9 @@
 """Multi-host: two local CPU processes (gloo, 4 devices each) equal one process on 8.
 
 The child (`multihost_child.py`) runs a GRPO, a Kimi-MOPD and a DeepSeek full-vocab policy
-step on a (data=2, fsdp=2, tensor=2) mesh whose data axis spans both processes; the same
-`run()` runs here on the 8 fake devices of tests/conftest.py.
+step on a (data=2, fsdp=2, tensor=2) mesh whose data axis spans both processes, then samples
+with rows sharded on that mesh; the same `run()` runs here on the 8 fake devices of
+tests/conftest.py.
 """
 import os
 import socket
@@ -66,14 +67,17 @@ def _launch(n: int, out_dir, while_waiting):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.slow       # ~140 s on 2 busy cores: three processes each compile three steps
+@pytest.mark.slow       # ~150 s on 2 busy cores: 3 processes compile 3 steps + sampling
 def test_two_processes_equal_one_process(tmp_path):
     ref = _launch(2, tmp_path, multihost_child.run)      # the reference, meanwhile
     got = dict(np.load(tmp_path / "params.npz"))
     assert sorted(got) == sorted(ref)
     diffs = {k: float(np.max(np.abs(got[k] - ref[k]))) for k in ref}
-    for kind in ("params", "metrics"):
-        d = {k: v for k, v in diffs.items() if k.startswith("metrics/") == (kind == "metrics")}
+    assert diffs["generate/tokens"] == 0
+    for kind in ("params", "metrics", "generate"):
+        d = {k: v for k, v in diffs.items()
+             if k.split("/")[0] == kind or kind == "params" and "/" in k
+             and k.split("/")[0] not in ("metrics", "generate")}
         worst = max(d, key=d.get)
         print(f"max |multi - single| over {kind}: {d[worst]:.3g} at {worst}")
     bad = {k: d for k, d in diffs.items() if d > 1e-5}
