@@ -11,6 +11,12 @@ Example::
     mesh = make_mesh((2, 4, 1))                     # data=2, fsdp=4, tensor=1
     model = init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
     batch = shard_batch({"tokens": tokens_BxT}, mesh)
+
+Multi-process (``jax.distributed``, see :mod:`opd_jax.distributed`): a mesh may span devices
+of other processes. Every placement here goes through :func:`put`, which builds such a
+global array from the *same* host value held by every process (`make_array_from_callback`:
+each process copies only its own shards, no cross-process traffic); reading a global array
+back is :func:`opd_jax.distributed.fetch`.
 """
 from __future__ import annotations
 
@@ -149,10 +155,37 @@ def init_sharded(create: Callable[[], nnx.Module], mesh: Mesh,
     return nnx.merge(graphdef, state)
 
 
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """`jax.device_put(x, sharding)` that also works when `sharding` spans other processes.
+
+    * `sharding` fully addressable (single process, or a process-local mesh): device_put.
+    * `x` already a global array (spans other processes): device_put reshards it on device.
+    * otherwise `x` (numpy, or a process-local jax.Array) must hold the *same global value*
+      on every process; each process fills only its own shards from it
+      (`jax.make_array_from_callback`). The equality is the caller's contract and is not
+      checked (device_put would check it with an all-gather of the whole value).
+    """
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """:func:`put` every leaf of `tree` with its sharding; `shardings` is a tree prefix of
+    `tree` (as for `jax.device_put` / jit), e.g. from :func:`state_shardings`."""
+    return jax.tree.map(lambda s, sub: jax.tree.map(lambda x: put(x, s), sub), shardings, tree)
+
+
 def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.Module:
-    """Place an existing module's variables on `mesh` by their logical names (in place)."""
+    """Place an existing module's variables on `mesh` by their logical names (in place).
+
+    Multi-process: every process must hold the same weights (same seed or same checkpoint).
+    """
     state = nnx.state(model)
-    nnx.update(model, jax.device_put(state, state_shardings(state, mesh, rules)))
+    nnx.update(model, place(state, state_shardings(state, mesh, rules)))
     return model
 
 
@@ -167,19 +200,20 @@ def batch_shards(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
 
 
 def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
-    """device_put every [B, ...] leaf of `batch` with its batch sharding.
+    """Place every [B, ...] leaf of `batch` with its batch sharding (:func:`put`).
 
+    Multi-process: pass the same *global* batch on every process (each keeps its rows).
     Raises if B does not divide over the batch mesh axes.
     """
-    def put(x):
+    def one(x):
         x = np.asarray(x) if not isinstance(x, jax.Array) else x
         s = batch_sharding(mesh, x.ndim, rules)
         n = math.prod(mesh.shape[a] for a in _axes(s.spec[0])) if x.ndim else 1
         if x.ndim and x.shape[0] % n:
             raise ValueError(f"batch dimension {x.shape[0]} is not divisible by the {n} "
                              f"devices of mesh axes {_axes(s.spec[0])}")
-        return jax.device_put(x, s if x.ndim else NamedSharding(mesh, P()))
-    return jax.tree.map(put, batch)
+        return put(x, s if x.ndim else NamedSharding(mesh, P()))
+    return jax.tree.map(one, batch)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

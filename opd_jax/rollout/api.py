@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opd_jax.distributed import fetch
 from opd_jax.rollout import engine
 from opd_jax.rollout.sampling import NO_BUDGET, NO_TOKEN, FinishReason, SamplingParams
 
@@ -212,7 +213,8 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens, temperature=1.0
 
 def to_result(batch: engine.RolloutBatch) -> GenerateResult:
     """Host lists of the sampled tokens (after each row's prompt) from a packed batch."""
-    tokens, logp, forced, lens, plens, fin = jax.device_get((
+    # fetch, not device_get: with mesh= across processes the rows live on several hosts.
+    tokens, logp, forced, lens, plens, fin = fetch((
         batch.tokens_BxL, batch.sampler_logp_BxL,
         batch.forced_mask_BxL, batch.lengths_B, batch.prompt_lens_B, batch.finish_reason_B))
     out_t, out_l = [], []

@@ -121,11 +121,15 @@ def shard_state(state: RolloutState, mesh, rules=None) -> RolloutState:
     rules = sh.DEFAULT_RULES if rules is None else rules
 
     def put(x):
-        if x.ndim == 0 or jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.device_put(x, sh.replicated(mesh))
-        return jax.device_put(x, sh.named_sharding(("batch",) + (None,) * (x.ndim - 1),
-                                                   x.shape, mesh, rules))
-    cache = jax.device_put(state.cache, state.cache.shardings(mesh, rules))
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):   # placed as its raw key data
+            return jax.random.wrap_key_data(sh.put(jax.random.key_data(x), sh.replicated(mesh)),
+                                            impl=jax.random.key_impl(x))
+        if x.ndim == 0:
+            return sh.put(x, sh.replicated(mesh))
+        return sh.put(x, sh.named_sharding(("batch",) + (None,) * (x.ndim - 1),
+                                           x.shape, mesh, rules))
+    # sh.put: also when the mesh spans several processes (same state on each).
+    cache = sh.place(state.cache, state.cache.shardings(mesh, rules))
     rest = jax.tree.map(put, state.replace(cache=None))
     return rest.replace(cache=cache)
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opd_jax.distributed import fetch
 from opd_jax.rollout import engine
 from opd_jax.rollout.api import ALL_STEPS, bucket, stop_sequences, think_ids
 from opd_jax.rollout.sampling import NO_BUDGET, NO_TOKEN, SamplingParams
@@ -103,9 +104,9 @@ def run_episodes(model, tokenizer, tasks: Sequence, *, envs: Sequence | None = N
         start = int(state.cache.index)
         state = engine.decode(model, state, params, jnp.asarray(ALL_STEPS, jnp.int32))
         end = int(state.cache.index)
-        tok, new = jax.device_get((state.tokens_BxS[:, start + 1:end + 1],
-                                   state.sampled_BxS[:, start + 1:end + 1]
-                                   | state.forced_BxS[:, start + 1:end + 1]))
+        tok, new = fetch((state.tokens_BxS[:, start + 1:end + 1],
+                          state.sampled_BxS[:, start + 1:end + 1]
+                          | state.forced_BxS[:, start + 1:end + 1]))
         rows = [[] for _ in range(B)]
         for b in np.flatnonzero(live):
             text = tokenizer.decode(tok[b][new[b]].tolist(), skip_special_tokens=False)

@@ -55,8 +55,12 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig, *,
-         seed: int, role: str = "student") -> list[Episode]:
-    """Run every task to completion; sampling is batched across the episodes of a turn."""
+         seed: int, role: str = "student", mesh=None) -> list[Episode]:
+    """Run every task to completion; sampling is batched across the episodes of a turn.
+
+    mesh: shard the rows and KV cache of each turn's sampling over it (`generate(mesh=)`;
+    the model must be placed on the same mesh). Without it the sampler runs replicated.
+    """
     from opd_jax.rollout import generate
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     environments = [envs.make_env(t) for t in tasks]
@@ -75,7 +79,7 @@ def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig,
                        temperature=sampling.temperature, top_k=sampling.top_k,
                        top_p=sampling.top_p, stop_token_ids=stop_ids,
                        stop_strings=stop_strings, tokenizer=tokenizer, think_budget=budgets,
-                       seed=seed * 1000 + turn, row_ids=np.asarray(live, np.int32))
+                       seed=seed * 1000 + turn, row_ids=np.asarray(live, np.int32), mesh=mesh)
         forced = _forced_flags(res)
         for j, i in enumerate(live):
             ep = episodes[i]
@@ -103,7 +107,8 @@ def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig,
 
 def _forced_flags(res) -> list[list[bool]]:
     """Per returned token, whether the sampler forced it (aligned with `res.tokens`)."""
-    forced, lens = np.asarray(res.batch.forced_mask_BxL), np.asarray(res.batch.lengths_B)
+    from opd_jax.distributed import fetch      # rows may live on several processes (mesh=)
+    forced, lens = fetch((res.batch.forced_mask_BxL, res.batch.lengths_B))
     return [forced[b, lens[b] - len(t):lens[b]].astype(bool).tolist()
             for b, t in enumerate(res.tokens)]
 

@@ -75,8 +75,10 @@ def state_shardings(state: TrainState, mesh: Mesh, rules=sh.DEFAULT_RULES) -> Tr
 
 def place_state(state: TrainState, mesh: Mesh, rules=sh.DEFAULT_RULES
                 ) -> tuple[TrainState, TrainState]:
+    """Place `state` by its shardings (works when the mesh spans several processes: every
+    process must hold the same state, e.g. built from the same seed)."""
     shardings = state_shardings(state, mesh, rules)
-    return jax.device_put(state, shardings), shardings
+    return sh.place(state, shardings), shardings
 
 
 def compile_step(step_fn: Callable, state_shardings_: Any, mesh: Mesh, *,
@@ -85,9 +87,19 @@ def compile_step(step_fn: Callable, state_shardings_: Any, mesh: Mesh, *,
 
     Batch leaves are [B, ...] arrays sharded over the `batch` logical axis; `extra` arguments
     (e.g. teacher unembeddings) take `extra_shardings`; metrics come back replicated.
+
+    Multi-process: the state and batch must already be global arrays (`place_state`,
+    `sh.shard_batch`); `extra` arguments are placed here with `sh.put`, so a process-local
+    array (a teacher loaded on each process) is accepted. The jitted function is
+    ``.jitted`` of the returned callable.
     """
     batch_sharding = NamedSharding(mesh, sh.logical_to_spec(("batch",), mesh=mesh))
-    return jax.jit(step_fn,
-                   in_shardings=(state_shardings_, batch_sharding, *extra_shardings),
-                   out_shardings=(state_shardings_, NamedSharding(mesh, P())),
-                   donate_argnums=(0,) if donate else ())
+    jitted = jax.jit(step_fn,
+                     in_shardings=(state_shardings_, batch_sharding, *extra_shardings),
+                     out_shardings=(state_shardings_, NamedSharding(mesh, P())),
+                     donate_argnums=(0,) if donate else ())
+
+    def step(state, batch, *extra):
+        return jitted(state, batch, *sh.place(tuple(extra), tuple(extra_shardings)))
+    step.jitted = jitted
+    return step
