@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.workdir:
             raise ConfigError(f"{args.command} needs --workdir DIR")
+        from opd_jax import distributed
+        distributed.initialize()          # OPD_JAX_* env vars; a no-op single-process
         cfg = load_config(args.config, overrides)
         if args.command == "experiment":
             from opd_jax.recipes import run_experiment

@@ -12,6 +12,7 @@ the baselines. Presets: ``reduced`` (1 seed), ``full`` (3 seeds), ``smoke`` (tes
 """
 import ml_collections
 
+from opd_jax.recipes import policy_overrides as run
 from opd_jax.recipes import trainer_config as base
 
 
@@ -24,22 +25,16 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     # specialist key -> (domain, effort); effort = thinking budget + length penalty
     c.specialists = {"math_short": ("general", "low"), "math_long": ("general", "max"),
                      "agent": ("agent", "high"), "code": ("coding", "high")}
-    c.sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=150",
-                 "--config.train.ckpt_every=50", "--config.data.tasks.difficulty=2")
-    c.specialist = base("grpo.py:tiny", "--config.train.steps=20", "--config.optim.lr=1e-3",
-                        "--config.rollout.prompts_per_step=16", "--config.eval.every=5",
-                        "--config.eval.n=16", "--config.tasks.difficulty=2",
-                        "--config.rollout.sampling.max_new_tokens=48")
-    opd = ["--config.train.steps=20", "--config.optim.lr=1e-3",
-           "--config.rollout.prompts_per_step=32", "--config.eval.every=5",
-           "--config.eval.n=16", "--config.tasks.difficulty=2",
-           "--config.rollout.sampling.max_new_tokens=48", "--config.teachers.max_loaded=2"]
+    c.sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=80",
+                 "--config.train.ckpt_every=50", "--config.data.tasks.difficulty=1")
+    c.specialist = base("grpo.py:tiny", *run(steps=20, lr=2e-4, prompts=16))
+    opd = [*run(steps=20, lr=3e-4, prompts=32), "--config.teachers.max_loaded=2"]
     c.student = base("opd.py:deepseek_full_vocab", *opd)
     c.sampled_student = base("opd.py:kimi_mopd", *opd)
     c.merge = ml_collections.ConfigDict(dict(method="task_arithmetic", scale=1.0))
     c.eval = base("eval.py:grid").eval
     c.eval.n = 64
-    c.eval.difficulty = 2
+    c.eval.difficulty = 1
     c.eval.sampling.max_new_tokens = 48
     if arg == "reduced":
         pass
@@ -57,7 +52,7 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
             s.train.steps = 2
             s.eval.every = 1
             s.eval.n = 2
-            s.rollout.prompts_per_step = 4
+            s.rollout.prompts_per_step = 8     # divisible by the 8 fake test devices
             s.rollout.sampling.max_new_tokens = 8
         c.specialist.rollout.group_size = 2
         c.eval.n = 2

@@ -11,6 +11,7 @@ Domains stand in for GLM's stages: reasoning = general (arithmetic), agentic = a
 """
 import ml_collections
 
+from opd_jax.recipes import policy_overrides as run
 from opd_jax.recipes import trainer_config as base
 
 
@@ -26,20 +27,14 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
                 ("general_rl", ("coding",)))
     c.stage_teachers = {"general": "reasoning_rl", "agent": "agentic_rl",
                         "coding": "general_rl"}
-    c.sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=150",
-                 "--config.train.ckpt_every=50", "--config.data.tasks.difficulty=2")
-    c.rl = base("grpo.py:tiny", "--config.train.steps=20", "--config.optim.lr=1e-3",
-                "--config.rollout.prompts_per_step=16", "--config.eval.every=5",
-                "--config.eval.n=16", "--config.tasks.difficulty=2",
-                "--config.rollout.sampling.max_new_tokens=48")
-    c.student = base("opd.py:glm_cross_stage", "--config.train.steps=20",
-                     "--config.optim.lr=1e-3", "--config.rollout.prompts_per_step=32",
-                     "--config.eval.every=5", "--config.eval.n=16",
-                     "--config.tasks.difficulty=2", "--config.rollout.sampling.max_new_tokens=48")
+    c.sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=80",
+                 "--config.train.ckpt_every=50", "--config.data.tasks.difficulty=1")
+    c.rl = base("grpo.py:tiny", *run(steps=20, lr=2e-4, prompts=16))
+    c.student = base("opd.py:glm_cross_stage", *run(steps=20, lr=3e-4, prompts=32))
     c.merge = ml_collections.ConfigDict(dict(method="average"))
     c.eval = base("eval.py:grid").eval
     c.eval.n = 64
-    c.eval.difficulty = 2
+    c.eval.difficulty = 1
     c.eval.sampling.max_new_tokens = 48
     if arg == "reduced":
         pass
@@ -57,7 +52,7 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
             s.train.steps = 2
             s.eval.every = 1
             s.eval.n = 2
-            s.rollout.prompts_per_step = 4
+            s.rollout.prompts_per_step = 8     # divisible by the 8 fake test devices
             s.rollout.sampling.max_new_tokens = 8
         c.rl.rollout.group_size = 2
         c.eval.n = 2

@@ -57,3 +57,13 @@ def trainer_config(path: str, *overrides: str):
                                 f"from a source checkout (pip install -e .)")
     return ml_collections.ConfigDict(
         load_config(os.path.join(CONFIGS_DIR, path), list(overrides)).to_dict())
+
+
+def policy_overrides(*, steps: int, lr: float, prompts: int, difficulty: int = 1,
+                     max_new_tokens: int = 48, eval_every: int = 5, eval_n: int = 16,
+                     warmup: int = 10) -> list[str]:
+    """Overrides shared by the recipes' GRPO and OPD stages (one place to tune them)."""
+    return [f"--config.train.steps={steps}", f"--config.optim.lr={lr}",
+            f"--config.optim.warmup_steps={warmup}", f"--config.rollout.prompts_per_step={prompts}",
+            f"--config.tasks.difficulty={difficulty}", f"--config.eval.every={eval_every}",
+            f"--config.eval.n={eval_n}", f"--config.rollout.sampling.max_new_tokens={max_new_tokens}"]

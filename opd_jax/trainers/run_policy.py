@@ -149,12 +149,13 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     if ckpt.latest_step() is not None:
         state, _ = ckpt.restore(None, abstract_like(state), task_iter)
         start = int(state.step) // (cfg.rl.ppo_epochs * cfg.rl.minibatches)
-    else:
+    elif jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=2, default=str)
 
     rep = sh.replicated(mesh)
+    multi = jax.process_count() > 1     # rollout rows split over processes
     step_fns = {}
 
     def step_fn(n_teachers):
@@ -195,7 +196,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
             group_tasks = [t for t in tasks for _ in range(G)]
             student = nnx.merge(graphdef, state.params, state.rest)
             episodes = play(student, tokenizer, group_tasks, sampling,
-                            seed=cfg.seed * 100_003 + it)
+                            seed=cfg.seed * 100_003 + it, mesh=mesh if multi else None)
             rewards_B = np.asarray([e.reward for e in episodes], np.float32)
             seqs = build_sequences([e.prompt_ids for e in episodes],
                                    [e.response_ids for e in episodes],
@@ -272,9 +273,9 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     finally:
         ckpt.close()
         writer.close()
-    if eval_rows is not None:
+    if eval_rows is not None and jax.process_index() == 0:
         evaluate.write_rows(eval_rows, os.path.join(workdir, "eval"))
-    if bank is not None:
+    if bank is not None and jax.process_index() == 0:
         with open(os.path.join(workdir, "teacher_cache.json"), "w", encoding="utf-8") as f:
             json.dump({"stats": bank.stats, "events": bank.events}, f, indent=2)
     return {"history": history, "checkpoint": ckpt.directory, "eval": eval_rows,

@@ -54,7 +54,7 @@ def train_sft(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = 
     if ckpt.latest_step() is not None:
         state, _ = ckpt.restore(None, abstract_like(state), data_iter)
         start = int(state.step)
-    else:
+    elif jax.process_index() == 0:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=2, default=str)
