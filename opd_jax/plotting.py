@@ -433,7 +433,7 @@ def plot_teacher_signal(history: Sequence[Mapping[str, float]], names: Sequence[
         ax.plot(it_N, running_mean(x_N, window), color=line.get_color(), lw=2, label=name)
     ax.set_xlabel("OPD iteration")
     ax.set_ylabel(ylabel or metric)
-    ax.set_title(f"teacher<s>/{metric} per routed teacher")
+    ax.set_title(f"teacher<s>/{metric} on the student's own samples")
     ax.legend(frameon=False)
     fig.tight_layout()
     return fig
