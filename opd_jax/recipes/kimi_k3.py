@@ -165,9 +165,13 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
         f.write("\n".join(md))
     s0 = per_seed[0]
     rp.plot_curves(os.path.join(workdir, "curves.png"), {
-        cell: [{"x": s0["curves"][cell][0], "y": s0["curves"][cell][1], "label": "student (MOPD)"},
-               {"y": s0["teacher"][cell]["reward"], "label": "teacher", "color": "k"},
-               {"y": s0["merge"][cell]["reward"], "label": "merged", "color": "r"}]
+        cell: [{"x": s0["curves"][cell][0], "y": s0["curves"][cell][1],
+                "label": f"student (MOPD), in-run eval n={c.student.eval.n}"},
+               {"y": s0["teacher"][cell]["reward"], "label": f"teacher (n={ev.n})",
+                "color": "k"},
+               {"y": s0["merge"][cell]["reward"], "label": f"merged (n={ev.n})", "color": "r"},
+               {"y": s0["sft"][cell]["reward"], "label": f"SFT start (n={ev.n})",
+                "color": "gray"}]
         for cell in names}, title=f"kimi_k3: student held-out reward per cell (seed {seeds[0]})")
     rp.plot_bars(os.path.join(workdir, "retention.png"), names, {
         "student / teacher": [np.mean(out_cells[c_]["retention"]) for c_ in names],
@@ -189,7 +193,11 @@ def _claims(c, cells: dict, domains: dict, efforts) -> list[dict]:
     fast = {k: (v["opd_steps"], v["rl_steps"]) for k, v in cells.items()}
     fast_ok = [k for k, (o, r) in fast.items()
                if all(x is not None and x * 5 <= y for x, y in zip(o, r))]
+    better = [k for k, v in cells.items() if np.mean(v["teacher"]) > np.mean(v["sft"])]
     out = [
+        {"claim": "(precondition) each RL teacher beats the SFT start on its cell, so "
+                  "retention measures something",
+         "pass": len(better) == len(cells), "measured": f"{len(better)} of {len(cells)}"},
         {"claim": "MOPD mean retention >= 95% over the cells, every cell >= 90%",
          "pass": mean_ret >= 0.95 and ret[worst] >= 0.90,
          "measured": f"mean {mean_ret:.1%}, worst {worst} {ret[worst]:.1%}"},
