@@ -423,17 +423,17 @@ def plot_cell_rewards(history: Sequence[Mapping[str, float]], cells: Sequence[st
 
 def plot_teacher_signal(history: Sequence[Mapping[str, float]], names: Sequence[str],
                         metric: str, *, ylabel: str = "", window: int = 5):
-    """`teacher<s>/<metric>` per iteration (running mean), labelled by teacher name."""
+    """`teacher/<name>/<metric>` per iteration (running mean), one line per teacher key."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 3.6))
     it_N = np.arange(1, len(history) + 1)
-    for s, name in enumerate(names):
-        x_N = history_series(history, f"teacher{s}/{metric}")
+    for name in names:
+        x_N = history_series(history, f"teacher/{name}/{metric}")
         line, = ax.plot(it_N, x_N, "o", ms=3, alpha=0.35)
         ax.plot(it_N, running_mean(x_N, window), color=line.get_color(), lw=2, label=name)
     ax.set_xlabel("OPD iteration")
     ax.set_ylabel(ylabel or metric)
-    ax.set_title(f"teacher<s>/{metric} on the student's own samples")
+    ax.set_title(f"teacher/<key>/{metric} on the student's own samples")
     ax.legend(frameon=False)
     fig.tight_layout()
     return fig

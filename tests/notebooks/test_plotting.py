@@ -124,7 +124,7 @@ def test_plots_return_figures():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     logp_V = plotting.bimodal_logp(GRID_V)
-    history = [{"reward/a/high": 0.1 * i, "teacher0/kl": 1.0 / (i + 1)} for i in range(5)]
+    history = [{"reward/a/high": 0.1 * i, "teacher/a/high/kl": 1.0 / (i + 1)} for i in range(5)]
     rows = [{"kind": "reverse_kl", "implementation": impl, "n": 8, "v": v, "temp_bytes": b}
             for impl, b in (("reference", 4096), ("xla", 1024)) for v in (256, 1024)]
     figs = [
