@@ -92,7 +92,10 @@ class _TeacherScorer:
         B, T = student_seqs["targets"].shape
         bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         out = {}
-        for key in sorted({k for w in weights for k in w}):
+        # Teachers already in the cache first: with a cache smaller than the bank, a fixed
+        # order would evict each teacher just before it is needed again (every access a miss).
+        loaded = set(self.bank.loaded())
+        for key in sorted({k for w in weights for k in w}, key=lambda k: (k not in loaded, k)):
             rows = [b for b, w in enumerate(weights) if w.get(key, 0.0) > 0]
             teacher = self.bank.get(key)
             graphdef, params, rest = nnx.split(teacher, nnx.Param, ...)
