@@ -13,6 +13,7 @@ the baselines. Presets: ``reduced`` (1 seed), ``full`` (3 seeds), ``smoke`` (tes
 import ml_collections
 
 from opd_jax.recipes import policy_overrides as run
+from opd_jax.recipes import shrink_for_smoke
 from opd_jax.recipes import trainer_config as base
 
 
@@ -46,17 +47,7 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
         c.domains = {"general": "arithmetic", "coding": "code_expr"}
         c.specialists = {"math_short": ("general", "low"), "math_long": ("general", "max"),
                          "code": ("coding", "low")}
-        c.sft.train.steps = 4
-        c.sft.model.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, head_dim=8))
-        for s in (c.specialist, c.student, c.sampled_student):
-            s.train.steps = 2
-            s.eval.every = 1
-            s.eval.n = 2
-            s.rollout.prompts_per_step = 8     # divisible by the 8 fake test devices
-            s.rollout.sampling.max_new_tokens = 8
-        c.specialist.rollout.group_size = 2
-        c.eval.n = 2
-        c.eval.sampling.max_new_tokens = 8
+        shrink_for_smoke(c, c.specialist, c.student, c.sampled_student)
     else:
         raise KeyError(f"presets are reduced, full, smoke; got {arg!r}")
     return c

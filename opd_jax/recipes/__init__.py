@@ -67,3 +67,22 @@ def policy_overrides(*, steps: int, lr: float, prompts: int, difficulty: int = 1
             f"--config.optim.warmup_steps={warmup}", f"--config.rollout.prompts_per_step={prompts}",
             f"--config.tasks.difficulty={difficulty}", f"--config.eval.every={eval_every}",
             f"--config.eval.n={eval_n}", f"--config.rollout.sampling.max_new_tokens={max_new_tokens}"]
+
+
+def shrink_for_smoke(c, rl, *students) -> None:
+    """The `smoke` presets' sizes: a 1-layer model, a few steps, tiny evaluations.
+
+    rl: the GRPO stage config(s) section (group size 2); students: the OPD sections.
+    Rollout batches stay divisible by the 8 fake devices of the test suite.
+    """
+    c.sft.train.steps = 4
+    c.sft.model.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, head_dim=8))
+    for s in (rl, *students):
+        s.train.steps = 2
+        s.eval.every = 1
+        s.eval.n = 2
+        s.rollout.prompts_per_step = 8
+        s.rollout.sampling.max_new_tokens = 8
+    rl.rollout.group_size = 2
+    c.eval.n = 2
+    c.eval.sampling.max_new_tokens = 8

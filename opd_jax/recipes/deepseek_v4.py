@@ -16,7 +16,7 @@ import os
 import ml_collections
 import numpy as np
 
-from opd_jax.recipes.kimi_k3 import _with
+from opd_jax.recipes.kimi_k3 import stage_config
 from opd_jax.recipes.pipeline import Stage
 
 
@@ -38,14 +38,14 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
     domains = dict(c.domains)
     efforts = tuple(dict.fromkeys(e for _, _, e in spec.values()))
     # The SFT cold start covers the full (domain x effort) grid the specialists come from.
-    stages = [Stage("sft", "sft", _with(c.sft, seed, domains, efforts))]
+    stages = [Stage("sft", "sft", stage_config(c.sft, seed, domains, efforts))]
     for key, (d, fam, e) in spec.items():
-        stages.append(Stage(f"spec_{key}", "grpo", _with(c.specialist, seed, {d: fam}, (e,)),
+        stages.append(Stage(f"spec_{key}", "grpo", stage_config(c.specialist, seed, {d: fam}, (e,)),
                             init_from="sft"))
     teachers = {key: f"spec_{key}" for key in spec}
     table = {f"{d}/{e}": key for key, (d, _, e) in spec.items()}
     for name, base_cfg in (("student", c.student), ("sampled_student", c.sampled_student)):
-        s = _with(base_cfg, seed, domains, efforts)
+        s = stage_config(base_cfg, seed, domains, efforts)
         # Only the specialists' cells are trained: the grid's other cells have no teacher.
         s.tasks.cells = tuple(table)
         s.teachers.routing = "table"

@@ -14,24 +14,24 @@ import os
 import ml_collections
 import numpy as np
 
-from opd_jax.recipes.kimi_k3 import _with
+from opd_jax.recipes.kimi_k3 import stage_config
 from opd_jax.recipes.pipeline import Stage
 
 
 def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
     domains, modes = dict(c.domains), tuple(c.efforts)
-    stages = [Stage("sft", "sft", _with(c.sft, seed, domains, modes))]
+    stages = [Stage("sft", "sft", stage_config(c.sft, seed, domains, modes))]
     prev = "sft"
     for name, stage_domains in c.stages:
         fams = {d: domains[d] for d in stage_domains}
-        stages.append(Stage(name, "grpo", _with(c.rl, seed, fams, modes), init_from=prev))
+        stages.append(Stage(name, "grpo", stage_config(c.rl, seed, fams, modes), init_from=prev))
         prev = name
     names = ["sft", *(n for n, _ in c.stages)]
     bad = {d: s for d, s in c.stage_teachers.items() if s not in names or d not in domains}
     if bad:
         raise ValueError(f"stage_teachers {bad}: domains must be in {sorted(domains)} and "
                          f"stages in {names}")
-    student = _with(c.student, seed, domains, modes)
+    student = stage_config(c.student, seed, domains, modes)
     student.teachers.routing = "table"
     student.teachers.table = {d: d for d in domains}
     stages.append(Stage("student", "opd", student, init_from=prev,

@@ -22,7 +22,9 @@ def teacher_name(domain: str, effort: str, plain: bool = False) -> str:
     return f"{'plain' if plain else 'rl'}_{domain}_{effort}"
 
 
-def _with(cfg: ml_collections.ConfigDict, seed: int, families: dict, efforts) -> ml_collections.ConfigDict:
+def stage_config(cfg: ml_collections.ConfigDict, seed: int, families: dict,
+                 efforts) -> ml_collections.ConfigDict:
+    """A copy of a trainer config for one stage: its seed, task families and efforts."""
     c = ml_collections.ConfigDict(cfg.to_dict())
     c.seed = seed
     tasks = c.data.tasks if "data" in c else c.tasks
@@ -37,7 +39,7 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
     unknown = sorted(set(efforts) - set(LADDER))
     if unknown:
         raise ValueError(f"kimi_k3 efforts {unknown}: expected a subset of {LADDER}")
-    stages = [Stage("sft", "sft", _with(c.sft, seed, domains, efforts))]
+    stages = [Stage("sft", "sft", stage_config(c.sft, seed, domains, efforts))]
     ladder = [e for e in LADDER if e in efforts]
     teachers = {}
     for domain, fam in domains.items():
@@ -45,18 +47,18 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
         for effort in ladder:
             if c.effort_schedule in ("anneal", "both"):
                 name = teacher_name(domain, effort)
-                stages.append(Stage(name, "grpo", _with(c.teacher, seed, {domain: fam}, (effort,)),
+                stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam}, (effort,)),
                                     init_from=prev))
                 prev = name
                 teachers[f"{domain}/{effort}"] = name
             if c.effort_schedule in ("plain", "both"):
                 name = teacher_name(domain, effort, plain=True)
-                stages.append(Stage(name, "grpo", _with(c.teacher, seed, {domain: fam}, (effort,)),
+                stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam}, (effort,)),
                                     init_from="sft"))
                 teachers.setdefault(f"{domain}/{effort}", name)
     if c.effort_schedule not in ("anneal", "plain", "both"):
         raise ValueError(f"effort_schedule={c.effort_schedule!r}: expected anneal, plain, both")
-    stages.append(Stage("student", "opd", _with(c.student, seed, domains, efforts),
+    stages.append(Stage("student", "opd", stage_config(c.student, seed, domains, efforts),
                         init_from="sft", teachers=teachers))
     stages.append(Stage("merge", "merge", ml_collections.ConfigDict(dict(c.merge)),
                         init_from="sft", teachers=teachers))
