@@ -1,7 +1,9 @@
 """DeepSeek-V4: a bank of specialists -> weighted full-vocabulary reverse-KL OPD.
 
-Each specialist is GRPO from the shared SFT checkpoint on its own (domain, effort) cell;
-efforts differ by thinking budget (context window) and length penalty. The student
+Each specialist is GRPO from the shared SFT checkpoint on its own (domain, effort) cell (from
+a separate "teacher_sft" stage when ``c.teacher_sft`` is set: specialists larger than the
+student, as in the scale-up presets, which is then also the merge's base); efforts differ
+by thinking budget (context window) and length penalty. The student
 distills all of them at once through the fused reverse-KL kernel (teacher last-layer hidden
 states cached per batch, logits recomputed chunk by chunk), with teachers loaded on demand
 into an LRU cache smaller than the bank (loads and evictions are logged to
@@ -16,7 +18,7 @@ import os
 import ml_collections
 import numpy as np
 
-from opd_jax.recipes.kimi_k3 import stage_config
+from opd_jax.recipes.kimi_k3 import stage_config, teacher_root
 from opd_jax.recipes.pipeline import Stage
 
 
@@ -39,9 +41,10 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
     efforts = tuple(dict.fromkeys(e for _, _, e in spec.values()))
     # The SFT cold start covers the full (domain x effort) grid the specialists come from.
     stages = [Stage("sft", "sft", stage_config(c.sft, seed, domains, efforts))]
+    root = teacher_root(c, stages, seed, domains, efforts)   # "sft" unless c.teacher_sft
     for key, (d, fam, e) in spec.items():
         stages.append(Stage(f"spec_{key}", "grpo", stage_config(c.specialist, seed, {d: fam}, (e,)),
-                            init_from="sft"))
+                            init_from=root))
     teachers = {key: f"spec_{key}" for key in spec}
     table = {f"{d}/{e}": key for key, (d, _, e) in spec.items()}
     for name, base_cfg in (("student", c.student), ("sampled_student", c.sampled_student)):
@@ -52,7 +55,7 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
         s.teachers.table = table
         stages.append(Stage(name, "opd", s, init_from="sft", teachers=teachers))
     stages.append(Stage("merge", "merge", ml_collections.ConfigDict(dict(c.merge)),
-                        init_from="sft", teachers=teachers))
+                        init_from=root, teachers=teachers))
     return stages
 
 

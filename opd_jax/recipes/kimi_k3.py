@@ -7,7 +7,9 @@ the lower effort. ``effort_schedule="plain"`` trains every effort from SFT direc
 and ``"both"`` trains both ladders and reports the plain teachers next to the annealed ones.
 The student starts from the SFT checkpoint and distills every cell's teacher (routed per
 sample by (domain, effort)) with the clipped sampled-token signal; the baseline merges the
-teachers' weights (task arithmetic on the SFT base).
+teachers' weights (task arithmetic on the SFT base). With ``c.teacher_sft`` (the scale-up
+presets: larger teachers than the student) the teachers start from their own SFT stage
+"teacher_sft" instead, which is also the merge's base.
 """
 from __future__ import annotations
 
@@ -40,10 +42,11 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
     if unknown:
         raise ValueError(f"kimi_k3 efforts {unknown}: expected a subset of {LADDER}")
     stages = [Stage("sft", "sft", stage_config(c.sft, seed, domains, efforts))]
+    root = teacher_root(c, stages, seed, domains, efforts)
     ladder = [e for e in LADDER if e in efforts]
     teachers = {}
     for domain, fam in domains.items():
-        prev = "sft"
+        prev = root
         for effort in ladder:
             if c.effort_schedule in ("anneal", "both"):
                 name = teacher_name(domain, effort)
@@ -54,15 +57,30 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
             if c.effort_schedule in ("plain", "both"):
                 name = teacher_name(domain, effort, plain=True)
                 stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam}, (effort,)),
-                                    init_from="sft"))
+                                    init_from=root))
                 teachers.setdefault(f"{domain}/{effort}", name)
     if c.effort_schedule not in ("anneal", "plain", "both"):
         raise ValueError(f"effort_schedule={c.effort_schedule!r}: expected anneal, plain, both")
     stages.append(Stage("student", "opd", stage_config(c.student, seed, domains, efforts),
                         init_from="sft", teachers=teachers))
     stages.append(Stage("merge", "merge", ml_collections.ConfigDict(dict(c.merge)),
-                        init_from="sft", teachers=teachers))
+                        init_from=root, teachers=teachers))
     return stages
+
+
+def teacher_root(c: ml_collections.ConfigDict, stages: list[Stage], seed: int, domains: dict,
+                 efforts) -> str:
+    """The stage teachers' RL starts from: "sft", or "teacher_sft" when `c.teacher_sft` exists.
+
+    `c.teacher_sft` (optional) is a separate cold start for teachers of another size than the
+    student (the scale-up presets: Qwen3-8B teachers, a Qwen3-1.7B student); it is appended
+    to `stages` on the same data as the student's SFT, and the weight-merge baseline uses it
+    as its base (task arithmetic needs the teachers' own starting point).
+    """
+    if "teacher_sft" not in c:
+        return "sft"
+    stages.append(Stage("teacher_sft", "sft", stage_config(c.teacher_sft, seed, domains, efforts)))
+    return "teacher_sft"
 
 
 def routed_teachers(stages: list[Stage]) -> dict[str, str]:
