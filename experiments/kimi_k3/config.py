@@ -17,6 +17,7 @@ import ml_collections
 from opd_jax.recipes import policy_overrides as run
 from opd_jax.recipes import shrink_for_smoke
 from opd_jax.recipes import trainer_config as base
+from opd_jax.recipes.scale_up import MESHES, apply_scale
 
 
 def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
@@ -49,6 +50,8 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
         c.domains = {"general": "arithmetic"}
         c.efforts = ("high", "max")
         shrink_for_smoke(c, c.teacher, c.student)
+    elif arg in MESHES:          # scale_v5p64, scale_8xh100: real sizes, compile-checked
+        apply_scale(c, arg)
     else:
-        raise KeyError(f"presets are reduced, full, smoke; got {arg!r}")
+        raise KeyError(f"presets are reduced, full, smoke, {', '.join(MESHES)}; got {arg!r}")
     return c

@@ -1,29 +1,128 @@
-"""Scale-up estimates: real-size models are built abstractly and sharded by the rules."""
+"""Scale-up presets: real-size stages are built, shape-checked and memory-estimated abstractly."""
+import math
+import os
+
 import jax.numpy as jnp
 import pytest
 
+from opd_jax.config import load_config
 from opd_jax.models import ModelConfig
-from opd_jax.recipes import scale_up
+from opd_jax.recipes import recipe_module, scale_up
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PRESETS = [(r, p) for r in ("kimi_k3", "glm", "deepseek_v4") for p in scale_up.MESHES]
+
+
+def _load(recipe, preset, *overrides):
+    return load_config(os.path.join(ROOT, f"experiments/{recipe}/config.py:{preset}"),
+                       list(overrides))
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    """Every preset's rows, once (the full-depth traces are tested separately)."""
+    return {(r, p): scale_up.estimate(_load(r, p), trace=False) for r, p in PRESETS}
 
 
 def test_sharded_bytes_split_over_fsdp():
     cfg = ModelConfig.preset("qwen3-1.7b")
-    mesh = scale_up.abstract_mesh((4, 8, 1))
-    total, per_device = scale_up.sharded_bytes(cfg, mesh, jnp.float32)
-    assert total / 4 == pytest.approx(1.72e9, rel=0.01)     # Qwen3-1.7B has 1.72B params
-    # fsdp=8 shards every large matrix; only norms (tiny) stay replicated.
+    assert cfg.num_params() == pytest.approx(1.72e9, rel=0.01)     # Qwen3-1.7B
+    per_device = scale_up.params_bytes(cfg, (4, 8, 1), scale_up.sh.DEFAULT_RULES)
+    total = cfg.num_params() * 4
+    # fsdp=8 shards every large matrix; only norms (tiny) stay replicated; data=4 replicates.
     assert total / 8 <= per_device <= total / 8 * 1.01
 
 
-def test_estimates_cover_every_recipe_and_mesh():
-    rows = [scale_up.estimate(r, m) for r in scale_up.RECIPES for m in scale_up.MESHES]
-    assert len(rows) == 6
+@pytest.mark.parametrize("recipe,preset", PRESETS)
+def test_preset_builds_and_estimates(estimates, recipe, preset):
+    c = _load(recipe, preset)
+    mesh = scale_up.MESHES[preset]
+    rows = estimates[(recipe, preset)]
+    assert [r["stage"] for r in rows] == [s.name for s in scale_up.plan(c)]
+    student = next(r for r in rows if r["stage"] == "student")
+    assert student["model"].vocab_size == 151936
+    assert student["model"].hidden_size == 2048 and student["model"].param_dtype == "float32"
+    assert student["model"].dtype == "bfloat16"
     for r in rows:
-        g = r["per_device_gib"]
-        assert g["adam"] == pytest.approx(2 * g["params"])
-        assert r["total_gib"] == pytest.approx(sum(g.values()))
-    ds = next(r for r in rows if r["recipe"] == "deepseek_v4" and r["mesh"] == "8xH100")
-    km = next(r for r in rows if r["recipe"] == "kimi_k3" and r["mesh"] == "8xH100")
-    # Same teachers and cache bound; the full-vocab recipe also caches teacher hidden states.
-    assert ds["per_device_gib"]["teacher_cache"] > km["per_device_gib"]["teacher_cache"]
-    assert "| deepseek_v4 | 8xH100 | 32 (16) |" in scale_up.table(rows)
+        assert r["hbm_gib"] == mesh.hbm_gib
+        numbers = [r["params"], r["peak"]]
+        if r["kind"] != "merge":
+            numbers += [r["grads"], r["optimizer"], r["activations"]["total"],
+                        r["activations"]["attention"]]
+            assert r["geometry"].micro >= 1 and r["geometry"].seq == scale_up.SEQ_LEN
+            assert r["optimizer"] == pytest.approx(2 * r["params"], rel=1e-3)   # Adam mu, nu
+        assert all(math.isfinite(x) and x > 0 for x in numbers), (r["stage"], numbers)
+    teachers = [r for r in rows if r["kind"] == "opd"]
+    assert teachers and all(0 < r["n_loaded"] < r["n_teachers"] for r in teachers)
+    if recipe != "glm":        # 8B teachers from their own SFT stage; the student stays 1.7B
+        by = {r["stage"]: r for r in rows}
+        assert by["teacher_sft"]["model"].hidden_size == 4096
+        assert all(by[n]["model"].hidden_size == 4096 for n in by
+                   if n.startswith(("rl_", "spec_")))
+    md = scale_up.table(rows)
+    assert f"| {mesh.hbm_gib:.0f} |" in md and "| student | opd | qwen3-1.7b |" in md
+
+
+def test_same_config_same_numbers_on_both_meshes(estimates):
+    """Both meshes shard params 8 ways (fsdp) with one row per device per micro-batch."""
+    v5p, h100 = estimates[("kimi_k3", "scale_v5p64")], estimates[("kimi_k3", "scale_8xh100")]
+    for a, b in zip(v5p, h100):
+        assert a["peak"] == b["peak"] and a["hbm_gib"] > b["hbm_gib"]
+    ds = {r["stage"]: r for r in estimates[("deepseek_v4", "scale_8xh100")]}
+    # Same cache bound; the full-vocab student also holds the teachers' hidden states and
+    # unembeddings, and builds no [T, V] logits of its own.
+    assert ds["student"]["teacher_cache"] > ds["sampled_student"]["teacher_cache"]
+    assert ds["student"]["activations"]["total"] < ds["sampled_student"]["activations"]["total"]
+
+
+def test_traced_steps_compose():
+    c = _load("deepseek_v4", "scale_8xh100")
+    stages = scale_up.plan(c)
+    models = scale_up.stage_models(stages)
+    student = next(s for s in stages if s.name == "student")
+    geo = scale_up.geometry(student, scale_up.abstract_mesh(student.config.mesh.shape))
+    dims = tuple((models[ref].hidden_size, models[ref].vocab_size)
+                 for ref in dict.fromkeys(student.teachers.values()))
+    # Real widths, vocab and batch; 2 of the 28 (identical) layers to keep the test fast
+    # (`python -m opd_jax.recipes.scale_up` traces every stage at full depth).
+    t = scale_up.trace_stage("opd", scale_up._stage_key(student),
+                             models["student"].replace(num_layers=2), geo.micro, geo.accum,
+                             geo.seq, dims)
+    assert t["forward"] == f"hidden [{geo.micro}, {geo.seq}, 2048]"
+    assert t["per_token"] == f"full-vocab reverse KL [{geo.micro * geo.seq}]"
+    assert t["loss"] == []
+
+
+def test_teacher_with_another_vocab_is_refused():
+    c = _load("kimi_k3", "scale_8xh100", "--config.teacher_sft.model.vocab_size=152064",
+              "--config.teacher.model.vocab_size=152064")
+    with pytest.raises(ValueError, match="stage 'student': teacher '.*' \\(stage 'rl_.*'\\) has "
+                                         "vocab_size 152064, expected the student's 151936"):
+        scale_up.estimate(c, trace=False)
+    # A stage whose model section disagrees with the checkpoint it starts from is refused too.
+    c = _load("kimi_k3", "scale_8xh100", "--config.teacher.model.num_layers=28")
+    with pytest.raises(ValueError, match="model section differs from stage 'teacher_sft'"):
+        scale_up.estimate(c, trace=False)
+
+
+def test_estimate_needs_a_scale_preset():
+    with pytest.raises(ValueError, match="has no `scale` section"):
+        scale_up.estimate(_load("glm", "smoke"))
+    with pytest.raises(KeyError, match="scale preset 'scale_tpu'"):
+        scale_up.apply_scale(_load("glm", "smoke").unlock(), "scale_tpu")
+
+
+def test_tiny_presets_plans_unchanged():
+    """The optional teacher cold start adds nothing unless c.teacher_sft is set."""
+    k = recipe_module("kimi_k3").build(_load("kimi_k3", "reduced"), 0)
+    assert [(s.name, s.init_from) for s in k] == [
+        ("sft", None), ("rl_general_max", "sft"), ("rl_general_high", "rl_general_max"),
+        ("rl_general_low", "rl_general_high"), ("student", "sft"), ("merge", "sft")]
+    d = recipe_module("deepseek_v4").build(_load("deepseek_v4", "reduced"), 0)
+    assert [(s.name, s.init_from) for s in d] == [
+        ("sft", None), ("spec_agent", "sft"), ("spec_code", "sft"), ("spec_math_long", "sft"),
+        ("spec_math_short", "sft"), ("student", "sft"), ("sampled_student", "sft"),
+        ("merge", "sft")]
+    scaled = {s.name: s for s in recipe_module("kimi_k3").build(_load("kimi_k3", "scale_v5p64"), 0)}
+    assert scaled["rl_agent_max"].init_from == "teacher_sft"
+    assert scaled["merge"].init_from == "teacher_sft" and scaled["student"].init_from == "sft"
