@@ -8,7 +8,10 @@ Four specialists (general at low and max effort — different thinking budgets a
 penalties — agent, coding), each GRPO from a shared SFT start; the student distills all four
 through the fused kernel with a teacher cache of 2 (< the bank), hidden-state caching on;
 a sampled-token OPD student with the same rollouts and steps and the merged specialists are
-the baselines. Presets: ``reduced`` (1 seed), ``full`` (3 seeds), ``smoke`` (tests).
+the baselines. Presets: ``reduced`` (1 seed), ``full`` (3 seeds), ``smoke`` (tests),
+``scale_v5p64`` / ``scale_8xh100`` (Qwen3-1.7B students, Qwen3-8B specialists from their own
+SFT stage, on a TPU v5p-64 or 8xH100 mesh; compile-checked, not run:
+``python -m opd_jax.recipes.scale_up --config experiments/deepseek_v4/config.py:scale_8xh100``).
 """
 import ml_collections
 

@@ -7,7 +7,9 @@ Run (from the repository root):
 Domains stand in for GLM's stages: reasoning = general (arithmetic), agentic = agent
 (tool_lookup, multi-turn), general = coding (code_expr). Thinking is switched per prompt
 (<|think_on|> / <|think_off|>). Presets: ``reduced`` (1 seed, CPU tens of minutes),
-``full`` (3 seeds), ``smoke`` (tests).
+``full`` (3 seeds), ``smoke`` (tests), ``scale_v5p64`` / ``scale_8xh100`` (every stage a
+Qwen3-1.7B on a TPU v5p-64 or 8xH100 mesh; compile-checked, not run:
+``python -m opd_jax.recipes.scale_up --config experiments/glm/config.py:scale_8xh100``).
 """
 import ml_collections
 

@@ -10,6 +10,12 @@ Presets:
   ``full``    — 3 domains x 3 efforts, annealed and plain effort ladders, 3 seeds (hours on
                 a CPU; minutes on an accelerator).
   ``smoke``   — the smallest pipeline for tests (one domain, two efforts, a few iterations).
+  ``scale_v5p64``, ``scale_8xh100`` — real sizes (Qwen3-1.7B student, Qwen3-8B teachers from
+                their own SFT stage, 3 domains x 3 efforts, annealed ladder) on a TPU v5p-64
+                or an 8xH100 mesh; compile-checked, not run (placeholder checkpoint paths):
+
+    python -m opd_jax.recipes.scale_up --config experiments/kimi_k3/config.py:scale_8xh100
+
 Every stage resumes from its checkpoints if the command is re-run with the same workdir.
 """
 import ml_collections

@@ -627,8 +627,8 @@ def report(c: ml_collections.ConfigDict, *, trace: bool = True) -> str:
     """The printed block for one config: header, table, traced shapes."""
     rows = estimate(c, trace=trace)
     mesh = MESHES[c.scale.preset]
-    out = [f"## {c.recipe} `{c.scale.preset}`: {mesh.name}, mesh {mesh.shape} (data, fsdp, "
-           f"tensor), {len(rows)} stages; per-device GiB", "", table(rows)]
+    out = [f"{c.recipe} `{c.scale.preset}`: {mesh.name}, mesh {mesh.shape} (data, fsdp, "
+           f"tensor), {len(rows)} stages; per-device GiB:", "", table(rows)]
     if trace:
         out += ["", "Traced with jax.eval_shape (full depth; one device's rows of one optimizer "
                     "step: forward -> per-token loss term -> loss; the whole train step):"]
