@@ -37,8 +37,15 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     c.teacher_level = 0.95                # "teacher level" = this fraction of teacher reward
     c.sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=80",
                  "--config.train.ckpt_every=50", "--config.data.tasks.difficulty=1")
+    # Each domain's top teacher first fine-tunes the cold start on its own cell's demos
+    # (train.steps=0: GRPO straight from the cold start, as the seed's Kimi ladder reads).
+    c.specialist_sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=60",
+                            "--config.train.ckpt_every=60", "--config.optim.lr=1e-3",
+                            "--config.optim.warmup_steps=5")
     c.teacher = base("grpo.py:tiny", *run(steps=20, lr=2e-4, prompts=16))
-    c.student = base("opd.py:kimi_mopd", *run(steps=20, lr=3e-4, prompts=32))
+    # Sampled-token OPD needs many rollouts per step at a small lr (see learning_check).
+    c.student = base("opd.py:kimi_mopd", *run(steps=40, lr=1e-4, prompts=64),
+                     "--config.rl.minibatches=4")
     c.merge = ml_collections.ConfigDict(dict(method="task_arithmetic", scale=1.0))
     c.eval = base("eval.py:grid").eval
     c.eval.n = 64
@@ -56,7 +63,9 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
         c.domains = {"general": "arithmetic"}
         c.efforts = ("high", "max")
         shrink_for_smoke(c, c.teacher, c.student)
+        c.specialist_sft.train.steps = 2
     elif arg in MESHES:          # scale_v5p64, scale_8xh100: real sizes, compile-checked
+        c.specialist_sft.train.steps = 0    # teachers' own cold start is c.teacher_sft
         apply_scale(c, arg)
     else:
         raise KeyError(f"presets are reduced, full, smoke, {', '.join(MESHES)}; got {arg!r}")

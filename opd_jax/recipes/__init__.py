@@ -82,6 +82,7 @@ def shrink_for_smoke(c, rl, *students) -> None:
         s.eval.every = 1
         s.eval.n = 2
         s.rollout.prompts_per_step = 8
+        s.rl.minibatches = 1
         s.rollout.sampling.max_new_tokens = 8
     rl.rollout.group_size = 2
     c.eval.n = 2

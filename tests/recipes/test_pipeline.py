@@ -48,7 +48,7 @@ def test_finished_stages_are_skipped(tmp_path, capsys):
     assert "[1/1] merge m: done" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("recipe,n_stages", [("kimi_k3", 5), ("glm", 5), ("deepseek_v4", 7)])
+@pytest.mark.parametrize("recipe,n_stages", [("kimi_k3", 6), ("glm", 5), ("deepseek_v4", 7)])
 def test_smoke_plans(recipe, n_stages):
     c = load_config(os.path.join(ROOT, f"experiments/{recipe}/config.py:smoke"))
     stages = recipe_module(recipe).build(c, seed=3)
@@ -64,12 +64,24 @@ def test_reduced_and_full_plans():
     c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:full"))
     stages = k.build(c, 0)
     names = [s.name for s in stages]
-    # Annealed ladder: max from SFT, high from max, low from high; plain ones from SFT.
+    # Annealed ladder: max from its specialist SFT (from the cold start), high from max, low
+    # from high; plain ones each from their own specialist SFT.
     by = {s.name: s for s in stages}
-    assert by["rl_coding_max"].init_from == "sft"
+    assert by["rl_coding_max"].init_from == "sft_coding_max"
+    assert by["sft_coding_max"].init_from == "sft" and by["sft_coding_max"].kind == "sft"
+    assert dict(by["sft_coding_max"].config.data.tasks.families) == {"coding": "code_expr"}
+    assert by["sft_coding_max"].config.data.tasks.efforts == ("max",)
     assert by["rl_coding_high"].init_from == "rl_coding_max"
     assert by["rl_coding_low"].init_from == "rl_coding_high"
-    assert by["plain_coding_low"].init_from == "sft"
+    assert by["plain_coding_low"].init_from == "sft_plain_coding_low"
+    assert by["sft_plain_coding_low"].init_from == "sft"
+    # The steps a teacher needed count its whole chain from the cold start.
+    records = {s.name: {"optimizer_steps": i + 1} for i, s in enumerate(stages)}
+    assert k.rl_steps_to(stages, "rl_coding_low", records) == sum(
+        records[n]["optimizer_steps"] for n in ("rl_coding_low", "rl_coding_high",
+                                                 "rl_coding_max", "sft_coding_max"))
+    c.specialist_sft.train.steps = 0       # GRPO straight from the cold start
+    assert {s.name: s for s in k.build(c, 0)}["rl_coding_max"].init_from == "sft"
     assert len([n for n in names if n.startswith(("rl_", "plain_"))]) == 18
     assert by["student"].teachers["agent/low"] == "rl_agent_low"
     assert by["rl_agent_low"].config.tasks.efforts == ("low",)
