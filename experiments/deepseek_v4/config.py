@@ -32,6 +32,10 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
                      "agent": ("agent", "high"), "code": ("coding", "high")}
     c.sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=80",
                  "--config.train.ckpt_every=50", "--config.data.tasks.difficulty=1")
+    # Each specialist first fine-tunes on its own cell' demos, then RL (train.steps=0: RL only).
+    c.specialist_sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=60",
+                            "--config.train.ckpt_every=60", "--config.optim.lr=1e-3",
+                            "--config.optim.warmup_steps=5")
     c.specialist = base("grpo.py:tiny", *run(steps=20, lr=2e-4, prompts=16))
     opd = [*run(steps=20, lr=3e-4, prompts=32), "--config.teachers.max_loaded=2"]
     c.student = base("opd.py:deepseek_full_vocab", *opd)
@@ -52,7 +56,9 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
         c.specialists = {"math_short": ("general", "low"), "math_long": ("general", "max"),
                          "code": ("coding", "low")}
         shrink_for_smoke(c, c.specialist, c.student, c.sampled_student)
+        c.specialist_sft.train.steps = 2
     elif arg in MESHES:          # scale_v5p64, scale_8xh100: real sizes, compile-checked
+        c.specialist_sft.train.steps = 0
         apply_scale(c, arg)
     else:
         raise KeyError(f"presets are reduced, full, smoke, {', '.join(MESHES)}; got {arg!r}")

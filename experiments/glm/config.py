@@ -33,8 +33,14 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
                         "coding": "general_rl"}
     c.sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=80",
                  "--config.train.ckpt_every=50", "--config.data.tasks.difficulty=1")
+    # Each stage first fine-tunes on its own domains' demos, then RL (train.steps=0: RL only).
+    c.specialist_sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=60",
+                            "--config.train.ckpt_every=60", "--config.optim.lr=1e-3",
+                            "--config.optim.warmup_steps=5")
     c.rl = base("grpo.py:tiny", *run(steps=20, lr=2e-4, prompts=16))
-    c.student = base("opd.py:glm_cross_stage", *run(steps=20, lr=3e-4, prompts=32))
+    # Sampled-token OPD needs many rollouts per step at a small lr (see learning_check).
+    c.student = base("opd.py:glm_cross_stage", *run(steps=40, lr=1e-4, prompts=64),
+                     "--config.rl.minibatches=4")
     c.merge = ml_collections.ConfigDict(dict(method="average"))
     c.eval = base("eval.py:grid").eval
     c.eval.n = 64
@@ -51,7 +57,9 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
         c.stages = (("reasoning_rl", ("general",)), ("general_rl", ("coding",)))
         c.stage_teachers = {"general": "reasoning_rl", "coding": "general_rl"}
         shrink_for_smoke(c, c.rl, c.student)
+        c.specialist_sft.train.steps = 2
     elif arg in MESHES:          # scale_v5p64, scale_8xh100: real sizes, compile-checked
+        c.specialist_sft.train.steps = 0
         apply_scale(c, arg)
     else:
         raise KeyError(f"presets are reduced, full, smoke, {', '.join(MESHES)}; got {arg!r}")

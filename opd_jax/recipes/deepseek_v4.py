@@ -18,7 +18,7 @@ import os
 import ml_collections
 import numpy as np
 
-from opd_jax.recipes.kimi_k3 import stage_config, teacher_root
+from opd_jax.recipes.kimi_k3 import specialist_start, stage_config, teacher_root
 from opd_jax.recipes.pipeline import Stage
 
 
@@ -43,8 +43,9 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
     stages = [Stage("sft", "sft", stage_config(c.sft, seed, domains, efforts))]
     root = teacher_root(c, stages, seed, domains, efforts)   # "sft" unless c.teacher_sft
     for key, (d, fam, e) in spec.items():
+        start = specialist_start(c, stages, seed, f"sft_{key}", {d: fam}, (e,), root)
         stages.append(Stage(f"spec_{key}", "grpo", stage_config(c.specialist, seed, {d: fam}, (e,)),
-                            init_from=root))
+                            init_from=start))
     teachers = {key: f"spec_{key}" for key in spec}
     table = {f"{d}/{e}": key for key, (d, _, e) in spec.items()}
     for name, base_cfg in (("student", c.student), ("sampled_student", c.sampled_student)):

@@ -14,7 +14,7 @@ import os
 import ml_collections
 import numpy as np
 
-from opd_jax.recipes.kimi_k3 import stage_config
+from opd_jax.recipes.kimi_k3 import specialist_start, stage_config
 from opd_jax.recipes.pipeline import Stage
 
 
@@ -24,6 +24,7 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
     prev = "sft"
     for name, stage_domains in c.stages:
         fams = {d: domains[d] for d in stage_domains}
+        prev = specialist_start(c, stages, seed, f"sft_{name}", fams, modes, prev)
         stages.append(Stage(name, "grpo", stage_config(c.rl, seed, fams, modes), init_from=prev))
         prev = name
     names = ["sft", *(n for n, _ in c.stages)]

@@ -50,7 +50,8 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
         for i, effort in enumerate(ladder):
             if c.effort_schedule in ("anneal", "both"):
                 if i == 0:   # the ladder's top: its own SFT on the cell first, if configured
-                    prev = specialist_start(c, stages, seed, domain, fam, effort, root)
+                    prev = specialist_start(c, stages, seed, f"sft_{domain}_{effort}",
+                                            {domain: fam}, (effort,), root)
                 name = teacher_name(domain, effort)
                 stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam}, (effort,)),
                                     init_from=prev))
@@ -58,7 +59,8 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
                 teachers[f"{domain}/{effort}"] = name
             if c.effort_schedule in ("plain", "both"):
                 name = teacher_name(domain, effort, plain=True)
-                start = specialist_start(c, stages, seed, domain, fam, effort, root, plain=True)
+                start = specialist_start(c, stages, seed, f"sft_plain_{domain}_{effort}",
+                                         {domain: fam}, (effort,), root)
                 stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam}, (effort,)),
                                     init_from=start))
                 teachers.setdefault(f"{domain}/{effort}", name)
@@ -86,21 +88,21 @@ def teacher_root(c: ml_collections.ConfigDict, stages: list[Stage], seed: int, d
     return "teacher_sft"
 
 
-def specialist_start(c: ml_collections.ConfigDict, stages: list[Stage], seed: int, domain: str,
-                     family: str, effort: str, root: str, plain: bool = False) -> str:
-    """Where a teacher's RL starts: `root`, or a specialist SFT stage on the teacher's cell.
+def specialist_start(c: ml_collections.ConfigDict, stages: list[Stage], seed: int, name: str,
+                     families: dict, efforts, start: str) -> str:
+    """Where a teacher's RL starts: `start`, or a specialist SFT stage `name` on its cells.
 
     With ``c.specialist_sft.train.steps > 0`` (DESIGN's "each teacher: SFT cold start + RL"),
-    the stage ``sft_<domain>_<effort>`` fine-tunes `root` on that cell's demos alone and the
-    teacher's GRPO starts from it. At toy scale this is what makes a teacher better than the
-    shared cold start: 20-40 GRPO iterations alone do not (see experiments/kimi_k3/README.md).
+    stage `name` fine-tunes `start` on the demos of `families` x `efforts` alone and is
+    appended to `stages`; the caller starts the teacher's GRPO from it. At toy scale this is
+    what makes a teacher better than the shared cold start: 20-40 GRPO iterations alone do
+    not (measured: see experiments/kimi_k3/README.md). Used by all three recipes.
     """
     spec = c.get("specialist_sft")
     if spec is None or not spec.train.steps:
-        return root
-    name = f"sft_{'plain_' if plain else ''}{domain}_{effort}"
-    stages.append(Stage(name, "sft", stage_config(spec, seed, {domain: family}, (effort,)),
-                        init_from=root))
+        return start
+    stages.append(Stage(name, "sft", stage_config(spec, seed, families, efforts),
+                        init_from=start))
     return name
 
 

@@ -48,7 +48,7 @@ def test_finished_stages_are_skipped(tmp_path, capsys):
     assert "[1/1] merge m: done" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("recipe,n_stages", [("kimi_k3", 6), ("glm", 5), ("deepseek_v4", 7)])
+@pytest.mark.parametrize("recipe,n_stages", [("kimi_k3", 6), ("glm", 7), ("deepseek_v4", 10)])
 def test_smoke_plans(recipe, n_stages):
     c = load_config(os.path.join(ROOT, f"experiments/{recipe}/config.py:smoke"))
     stages = recipe_module(recipe).build(c, seed=3)
@@ -88,13 +88,18 @@ def test_reduced_and_full_plans():
     d = load_config(os.path.join(ROOT, "experiments/deepseek_v4/config.py:reduced"))
     st = {s.name: s for s in recipe_module("deepseek_v4").build(d, 0)}
     assert len([n for n in st if n.startswith("spec_")]) >= 4
+    assert st["spec_agent"].init_from == "sft_agent" and st["sft_agent"].init_from == "sft"
     assert st["student"].config.teachers.max_loaded < 4
     assert set(st["student"].config.tasks.cells) == {"general/low", "general/max",
                                                      "agent/high", "coding/high"}
     g = load_config(os.path.join(ROOT, "experiments/glm/config.py:reduced"))
     gs = {s.name: s for s in recipe_module("glm").build(g, 0)}
-    assert [gs[n].init_from for n in ("reasoning_rl", "agentic_rl", "general_rl")] == [
-        "sft", "reasoning_rl", "agentic_rl"]
+    # Each stage: SFT on its domains, then RL, continuing the line.
+    assert [gs[n].init_from for n in ("sft_reasoning_rl", "reasoning_rl", "sft_agentic_rl",
+                                      "agentic_rl", "sft_general_rl", "general_rl")] == [
+        "sft", "sft_reasoning_rl", "reasoning_rl", "sft_agentic_rl", "agentic_rl",
+        "sft_general_rl"]
+    assert dict(gs["sft_agentic_rl"].config.data.tasks.families) == {"agent": "tool_lookup"}
     assert gs["student"].init_from == "general_rl"
     assert gs["student"].teachers == {"general": "reasoning_rl", "agent": "agentic_rl",
                                       "coding": "general_rl"}
