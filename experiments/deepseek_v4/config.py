@@ -46,7 +46,9 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     c.eval.difficulty = 1
     c.eval.sampling.max_new_tokens = 48
     if arg == "reduced":
-        pass
+        # The committed reduced results (README) ran specialists by GRPO alone; rerun with
+        # --config.specialist_sft.train.steps=60 for specialist SFT + GRPO.
+        c.specialist_sft.train.steps = 0
     elif arg == "full":
         c.seeds = (0, 1, 2)
         c.specialist.train.steps = 40
