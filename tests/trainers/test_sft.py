@@ -66,8 +66,10 @@ def test_sharded_step_equals_unsharded(shape, single_device_step):
 
 
 def test_remat_sharded_step_equals_plain_step(single_device_step):
-    """model.remat="layer" composes with the sharding rules: same loss and update."""
-    params, metrics = _one_step(_cfg("--config.model.remat=layer"), sh.make_mesh((2, 2, 2)))
+    """model.remat="layer" composes with the sharding rules and the scan over micro-batches:
+    the same loss and update as the plain single-device step."""
+    params, metrics = _one_step(_cfg("--config.model.remat=layer", "--config.optim.grad_accum=2"),
+                                sh.make_mesh((2, 2, 2)), grad_accum=2)
     ref_params, ref_metrics = single_device_step
     np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
     _assert_trees_close(params, ref_params, 1e-5)
