@@ -21,6 +21,7 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
         max_position_embeddings=512,
         dtype="float32",
         param_dtype="float32",
+        remat="none",            # "none" | "layer" | "dots": gradient checkpointing per layer
     ))
     m.update(overrides)
     return m

@@ -10,7 +10,8 @@ then where the final checkpoint went. Re-running the same command resumes from t
 
 Presets: ``tiny`` (default, CPU), ``tasks`` (cold start on the built-in tasks' demos,
 for RL and OPD), ``jsonl`` (your data: set --config.data.path and
---config.tokenizer), ``qwen3_1p7b`` (an HF checkpoint folder; set --config.model.init_from).
+--config.tokenizer), ``qwen3_1p7b`` (an HF checkpoint folder; set --config.model.init_from;
+4096-token rows with ``model.remat="layer"``, gradient checkpointing of each decoder layer).
 Any key can be overridden, e.g. ``--config.optim.lr=1e-3 --config.train.steps=50``.
 """
 import ml_collections
@@ -59,6 +60,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         c.model.init_from = "/path/to/Qwen3-1.7B"
         c.tokenizer = "/path/to/Qwen3-1.7B"
         c.model.dtype = "bfloat16"
+        c.model.remat = "layer"          # 4096-token rows: recompute each layer in the backward
         c.data.source = "jsonl"
         c.data.seq_len = 4096
         c.data.batch_size = 64

@@ -4,6 +4,7 @@ One frozen dataclass, JSON-safe (`to_dict` / `from_dict`), with named presets::
 
     cfg = ModelConfig.preset("tiny", vocab_size=300)
     cfg = ModelConfig.preset("qwen3-8b", dtype="bfloat16")   # full shapes, for eval_shape
+    cfg = ModelConfig.preset("qwen3-1.7b", remat="layer")    # gradient checkpointing
 """
 from __future__ import annotations
 
@@ -14,6 +15,15 @@ import jax.numpy as jnp
 
 ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
+# Rematerialisation (gradient checkpointing) of each decoder layer in the backward pass:
+#   "none":  autodiff keeps every layer's residuals (its [H, T, T] attention included);
+#   "layer": only each layer's input is kept, its forward is recomputed in the backward;
+#   "dots":  as "layer", but the layer's weight matmuls without batch dimensions (q/k/v/o
+#            projections, MLP) are kept too; the attention's [T, T] products are recomputed.
+REMATS = ("none", "layer", "dots")
+# Fields that change how the model is run, not its parameters or its outputs: a checkpoint
+# written under one value loads and resumes under another (see `architecture`).
+EXECUTION_FIELDS = ("remat",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +33,15 @@ class ModelConfig:
     `qkv_bias` / `qk_norm` default by family (qwen2 has q/k/v biases, qwen3 has RMSNorm on
     per-head q and k); `dtype` is the compute dtype and `param_dtype` the storage dtype
     (bf16 compute with fp32 params is the usual training setting).
+
+    `remat` (one of REMATS) is a training knob, not an architecture field: it trades the
+    backward pass's memory for recomputation ("layer" keeps one [B, T, D] input per layer
+    instead of every activation, ~1/3 more compute) and leaves every value, gradient and
+    parameter unchanged; the KV-cache decode path and forward-only calls ignore it. Hugging
+    Face config.json neither holds nor sets it (loaded configs get "none" unless the caller
+    overrides it); opd_jax checkpoints record it in their metadata, and resuming or
+    starting from one under another value is allowed (`run_sft.check_workdir` compares
+    everything but EXECUTION_FIELDS).
     """
     vocab_size: int
     hidden_size: int
@@ -40,6 +59,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     dtype: str = "float32"
     param_dtype: str = "float32"
+    remat: str = "none"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -57,6 +77,8 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {DTYPES}")
+        if self.remat not in REMATS:
+            raise ValueError(f"remat={self.remat!r}: expected one of {REMATS}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError(f"rope_theta={self.rope_theta}, rms_norm_eps={self.rms_norm_eps}: "
                              f"expected positive numbers")
@@ -94,6 +116,12 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def architecture(self) -> dict[str, Any]:
+        """`to_dict` without dtype, param_dtype and EXECUTION_FIELDS: the fields two models
+        must share to hold the same parameters (merging, init_from checks)."""
+        drop = ("dtype", "param_dtype", *EXECUTION_FIELDS)
+        return {k: v for k, v in self.to_dict().items() if k not in drop}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":

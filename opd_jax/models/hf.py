@@ -172,10 +172,12 @@ def read_config(path) -> ModelConfig:
         return config_from_hf(json.load(f))
 
 
-def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None) -> Transformer:
+def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None,
+                    remat=None) -> Transformer:
     """Transformer from an HF folder (config.json + model.safetensors[.index.json]).
 
-    param_dtype defaults to the checkpoint's dtype, dtype (compute) to param_dtype. With a
+    param_dtype defaults to the checkpoint's dtype, dtype (compute) to param_dtype; remat
+    (ModelConfig.remat, not an HF field) to "none". With a
     mesh, params are created in their NamedShardings (opd_jax.sharding rules) from
     per-device blocks of the memory-mapped files.
     """
@@ -183,7 +185,8 @@ def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None
     path = os.fspath(path)
     cfg = read_config(path)
     pd = cfg.param_dtype if param_dtype is None else jnp.dtype(param_dtype).name
-    cfg = cfg.replace(param_dtype=pd, dtype=pd if dtype is None else jnp.dtype(dtype).name)
+    cfg = cfg.replace(param_dtype=pd, dtype=pd if dtype is None else jnp.dtype(dtype).name,
+                      remat=cfg.remat if remat is None else remat)
     ckpt = SafetensorsFolder(path)
     graphdef, abs_state = _abstract_model(cfg)
     flat = list(nnx.to_flat_state(abs_state))

@@ -12,6 +12,12 @@ D hidden, H query heads, K kv heads, G = H / K, Dh head dim, F mlp, V vocab, L l
 
 Numerics: matmuls run in `config.dtype`; RMSNorm statistics, RoPE angles, attention scores
 and softmax in fp32 (bf16 loses the softmax tail).
+
+Memory: `config.remat` ("none" | "layer" | "dots", see ModelConfig) wraps each layer of the
+no-cache call in `nnx.remat` (jax.checkpoint), so a backward pass keeps each layer's input
+instead of all its activations (the [B, H, T, T] attention scores and probabilities are
+the big ones) and recomputes one layer at a time. Values and gradients are unchanged; a
+forward without autodiff and the cached (decode) call run the layers directly.
 """
 from __future__ import annotations
 
@@ -203,6 +209,20 @@ class Block(nnx.Module):
         return x_BxTxD, kv
 
 
+def _call_block(layer: Block, x_BxTxD, cos, sin, mask_BxTxS):
+    return layer(x_BxTxD, cos, sin, mask_BxTxS)[0]
+
+
+def remat_policy(remat: str):
+    """The jax.checkpoint policy of a ModelConfig.remat value ("layer": save nothing)."""
+    policies = {"layer": None,
+                "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+    if remat not in policies:
+        raise ValueError(f"remat={remat!r} has no checkpoint policy; expected one of "
+                         f"{sorted(policies)}")
+    return policies[remat]
+
+
 def _check_bt(name: str, x, shape) -> None:
     if x is not None and tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} "
@@ -304,9 +324,16 @@ class Transformer(nnx.Module):
 
         cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
         x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dtype)
+        block = _call_block
+        if cache is None and cfg.remat != "none":
+            # Only the layer's inputs are saved for the backward; its forward is recomputed.
+            # A layer mutates nothing: no graph updates to propagate (which also lets a model
+            # closed over by a plain JAX transform run, e.g. jax.make_jaxpr(lambda: model(x))).
+            block = nnx.remat(_call_block, policy=remat_policy(cfg.remat),
+                              graph_updates=False)
         for i, layer in enumerate(self.layers):
             if cache is None:
-                x_BxTxD, _ = layer(x_BxTxD, cos, sin, mask_BxTxS)
+                x_BxTxD = block(layer, x_BxTxD, cos, sin, mask_BxTxS)
             else:
                 x_BxTxD, kv_all = layer(x_BxTxD, cos, sin, mask_BxTxS, (*kv_all, i, index))
         hidden_BxTxD = self.final_norm(x_BxTxD, dtype)

@@ -6,9 +6,11 @@ student line (SFT and OPD stages; bf16 compute, fp32 params), Qwen3-8B teachers 
 and deepseek_v4 (their own 8B SFT stage "teacher_sft", then GRPO; GLM's teachers are its
 own earlier 1.7B stages), V = 151,936, realistic batches, and the mesh of a TPU v5p-64
 slice ((4, 8, 1) data x fsdp x tensor, 95 GiB HBM per chip) or of one 8xH100 node
-((1, 8, 1), 80 GiB). They are compile-checked here, not run: paths such as
-``/path/to/Qwen3-1.7B`` are placeholders for a local Hugging Face folder (config.json,
-tokenizer and safetensors) that the real run must point to.
+((1, 8, 1), 80 GiB). Every trained stage's model has ``remat="layer"`` (ModelConfig: each
+decoder layer's forward recomputed in the backward; without it no training stage fits at
+T = 4096). They are compile-checked here, not run: paths such as ``/path/to/Qwen3-1.7B``
+are placeholders for a local Hugging Face folder (config.json, tokenizer and safetensors)
+that the real run must point to.
 
     python -m opd_jax.recipes.scale_up --config experiments/kimi_k3/config.py:scale_8xh100
     python -m opd_jax.recipes.scale_up        # every recipe x both meshes
@@ -26,14 +28,25 @@ that stage's own config and without allocating anything:
 * activations of one micro-batch per device (SFT: ``batch_size / batch devices /
   grad_accum`` rows; RL/OPD: ``prompts_per_step x group_size / minibatches / batch devices``):
   the residuals autodiff saves for the backward pass, traced from the stage's real loss
-  (``jax.ad_checkpoint`` saved residuals of ``sft_micro_loss`` or the stage's objective)
-  at depth 1 and 2 and extrapolated over the layers (the layers are identical), plus the
-  largest one again for the backward's working gradient. bf16 weight copies count at their
-  sharded size. The ``attn`` share is the [H, T, T] scores, probabilities and mask the
-  model's plain (non-flash, no remat) attention keeps per layer: it grows as T^2 and is
-  what limits T. Check against XLA: for Qwen3-1.7B widths (vocab 8192, one row) the CPU
-  backend's compiled temp memory grew by 456 / 1209 MiB per layer at T = 1024 / 2048,
-  against 482 / 1221 MiB of residuals counted this way (TPU and GPU fuse differently).
+  (``jax.ad_checkpoint`` saved residuals of ``sft_micro_loss`` or the stage's objective,
+  under the stage's ``model.remat``) at depth 1 and 2 and extrapolated over the L layers
+  (the layers are identical): ``saved = d1 + (L - 1) (d2 - d1)``. Without remat that is
+  every layer's activations. With remat it is one [rows, T, D] input per layer plus what
+  lies outside the layers (embedding, final norm, logits), and the backward recomputes one
+  layer at a time, so one layer's activations are live again on top: ``recompute =
+  (n2 - n1) - (d2 - d1)``, with n1, n2 the same loss's residuals without remat. Then the
+  largest residual once more for the backward's working gradient (the [rows, T, V] fp32
+  log-softmax where logits are built): ``activations = saved + recompute + largest``. This
+  is an upper bound: the logits' working gradient is freed before the layers' backward
+  starts. bf16 weight copies count at their sharded size. The ``attn`` share is the [H, T, T]
+  scores, probabilities and mask of the model's plain (non-flash) attention: every layer's
+  without remat, one layer's (the recomputed one) with it; it grows as T^2. Check against
+  XLA (no remat): for Qwen3-1.7B widths (vocab 8192, one row) the CPU backend's compiled
+  temp memory grew by 456 / 1209 MiB per layer at T = 1024 / 2048, against 482 / 1221 MiB
+  of residuals counted this way (TPU and GPU fuse differently). The CPU backend cannot check
+  the remat numbers: XLA:CPU drops the optimization barriers that keep the recomputation in
+  the backward and schedules it next to the forward, so its temp memory still grows by
+  389 MiB per layer at T = 1024 with remat (409 without); TPU and GPU keep the barriers.
 * teacher cache: ``teachers.max_loaded`` (0: all) teachers in bf16, sharded like the student;
   for the full-vocab objective also the cached teacher hidden states of one iteration's
   rows per device ([rows, T, E] bf16 per teacher) and the teachers' [E, V] unembeddings,
@@ -114,12 +127,14 @@ SIZES = {"tpu-v5p-64": dict(sft_batch=128, rl_prompts=64, opd_prompts=256),
 SEQ_LEN = 4096          # SFT packed length; RL/OPD rollout row length (prompt + all turns)
 MAX_NEW_TOKENS = 3072   # per sampled turn
 GROUP = 8               # GRPO samples per prompt
-MICRO_ROWS = 1          # rows per device per micro-batch (no rematerialisation in the model)
+MICRO_ROWS = 1          # rows per device per micro-batch
+REMAT = "layer"         # model.remat of every trained stage: each layer recomputed in the backward
 MAX_LOADED = {"kimi_k3": 4, "glm": 2, "deepseek_v4": 2}     # < the bank: 9, 3, 4 teachers
 
 
 def _set_model(m: ml_collections.ConfigDict, preset: str, init_from: str) -> None:
-    fields = ModelConfig.preset(preset, dtype="bfloat16", param_dtype="float32").to_dict()
+    fields = ModelConfig.preset(preset, dtype="bfloat16", param_dtype="float32",
+                                remat=REMAT).to_dict()
     m.update({k: v for k, v in fields.items() if v is not None})
     m.init_from = init_from
 
@@ -128,11 +143,11 @@ def apply_scale(c: ml_collections.ConfigDict, preset: str) -> ml_collections.Con
     """Turn a recipe config (any preset) into its real-size `preset` (a key of MESHES), in place.
 
     Every stage's model section gets the real architecture (the SFT stages start from the
-    Hugging Face folders of CHECKPOINTS, placeholders), batches split into MICRO_ROWS-row
-    micro-batches per device (SFT: ``optim.grad_accum``; RL/OPD: ``rl.minibatches``, each an
-    optimizer step), teacher caches are bounded below the bank, and ``c.scale`` records the
-    mesh and its HBM for :func:`estimate`. kimi_k3 and deepseek_v4 get ``c.teacher_sft``, an
-    8B copy of the SFT stage their teachers start from.
+    Hugging Face folders of CHECKPOINTS, placeholders) and ``remat=REMAT``, batches split
+    into MICRO_ROWS-row micro-batches per device (SFT: ``optim.grad_accum``; RL/OPD:
+    ``rl.minibatches``, each an optimizer step), teacher caches are bounded below the bank,
+    and ``c.scale`` records the mesh and its HBM for :func:`estimate`. kimi_k3 and
+    deepseek_v4 get ``c.teacher_sft``, an 8B copy of the SFT stage their teachers start from.
     """
     if preset not in MESHES:
         raise KeyError(f"scale preset {preset!r}: expected one of {sorted(MESHES)}")
@@ -217,8 +232,8 @@ def per_device_bytes(tree, mesh: AbstractMesh, rules=sh.DEFAULT_RULES) -> int:
 
 
 def _canonical(config: ModelConfig) -> ModelConfig:
-    """One abstract model per architecture (dtypes do not change shapes or shardings)."""
-    return config.replace(dtype="bfloat16", param_dtype="float32")
+    """One abstract model per architecture (dtypes and remat change no shape or sharding)."""
+    return config.replace(dtype="bfloat16", param_dtype="float32", remat="none")
 
 
 @functools.lru_cache(maxsize=None)
@@ -243,7 +258,7 @@ def optimizer_bytes(config: ModelConfig, optim_key: str, mesh_shape: tuple, rule
 
 
 def _arch(config: ModelConfig) -> dict:
-    return {k: v for k, v in config.to_dict().items() if k not in ("dtype", "param_dtype")}
+    return config.architecture()
 
 
 def stage_models(stages) -> dict[str, ModelConfig]:
@@ -274,7 +289,8 @@ def stage_models(stages) -> dict[str, ModelConfig]:
                 raise ValueError(f"stage {s.name!r}: model section differs from stage "
                                  f"{s.init_from!r} it starts from: {diff}; expected the same "
                                  f"architecture (the run loads that stage's checkpoint)")
-            own = parent.replace(dtype=own.dtype)      # params keep the checkpoint's dtype
+            # Params keep the checkpoint's dtype; compute dtype and remat are the section's.
+            own = parent.replace(dtype=own.dtype, remat=own.remat)
         for key, ref in s.teachers.items():
             if s.kind == "opd" and models[ref].vocab_size != own.vocab_size:
                 raise ValueError(f"stage {s.name!r}: teacher {key!r} (stage {ref!r}) has "
@@ -362,10 +378,14 @@ def _stage_key(stage) -> str:
     return json.dumps(out, sort_keys=True, default=str)
 
 
+_KINDS = ("weights", "attention", "other")
+
+
 @functools.lru_cache(maxsize=None)
-def activation_bytes(kind: str, stage_key: str, config: ModelConfig, micro: int, T: int,
-                     teacher_dims: tuple, mesh_shape: tuple, rules: tuple) -> dict:
-    """Saved residuals of one micro-batch's loss, extrapolated from depth 1 and 2 (module doc)."""
+def _residuals(kind: str, stage_key: str, config: ModelConfig, micro: int, T: int,
+               teacher_dims: tuple, mesh_shape: tuple, rules: tuple) -> tuple[dict, dict]:
+    """Per-device saved residuals of one micro-batch's loss at depth 1 and 2, by kind
+    (weights / attention / other), with the largest one and its kind."""
     # The function behind the public jax.ad_checkpoint.print_saved_residuals.
     from jax._src.ad_checkpoint import saved_residuals
     mesh = abstract_mesh(mesh_shape)
@@ -407,11 +427,36 @@ def activation_bytes(kind: str, stage_key: str, config: ModelConfig, micro: int,
                 if n > acc["largest"]:
                     acc["largest"], acc["largest_kind"] = n, kind_
         out.append(acc)
+    return tuple(out)
+
+
+def activation_bytes(kind: str, stage_key: str, config: ModelConfig, micro: int, T: int,
+                     teacher_dims: tuple, mesh_shape: tuple, rules: tuple) -> dict:
+    """Activation bytes of one micro-batch's backward pass, by kind (module doc).
+
+    saved = d1 + (L - 1) (d2 - d1), the residuals of the loss at depth 1 and 2 (d1, d2)
+    extrapolated over the L identical layers. Without remat that is every layer's
+    activations. With ``config.remat`` it is each layer's input (plus, for "dots", its
+    matmul outputs) and the backward recomputes one layer at a time, so it also holds one
+    layer's activations: recompute = (n2 - n1) - (d2 - d1), with n1, n2 the residuals of
+    the same loss without remat (one layer's residuals less what the remat'd layer keeps
+    anyway). Then + the largest residual of the no-remat trace again, the backward's working
+    gradient of it: total = saved + recompute + largest.
+    """
+    args = (kind, stage_key, config, micro, T, teacher_dims, mesh_shape, rules)
+    d1, d2 = _residuals(*args)
     L = config.num_layers
-    res = {k: out[0][k] + (L - 1) * (out[1][k] - out[0][k]) for k in ("weights", "attention",
-                                                                      "other")}
+    res = {k: d1[k] + (L - 1) * (d2[k] - d1[k]) for k in _KINDS}
+    res["recompute"] = 0.0
+    n1, n2 = d1, d2
+    if config.remat != "none":
+        n1, n2 = _residuals(kind, stage_key, config.replace(remat="none"), *args[3:])
+        for k in _KINDS:
+            layer = max(0.0, (n2[k] - n1[k]) - (d2[k] - d1[k]))
+            res[k] += layer
+            res["recompute"] += layer
     # The backward's working gradient of the largest residual, counted with its kind.
-    res[out[1]["largest_kind"]] += out[1]["largest"]
+    res[n2["largest_kind"]] += n2["largest"]
     res["total"] = res["weights"] + res["attention"] + res["other"]
     return res
 
@@ -627,8 +672,10 @@ def report(c: ml_collections.ConfigDict, *, trace: bool = True) -> str:
     """The printed block for one config: header, table, traced shapes."""
     rows = estimate(c, trace=trace)
     mesh = MESHES[c.scale.preset]
+    remat = "/".join(sorted({r["model"].remat for r in rows if r["kind"] != "merge"}))
     out = [f"{c.recipe} `{c.scale.preset}`: {mesh.name}, mesh {mesh.shape} (data, fsdp, "
-           f"tensor), {len(rows)} stages; per-device GiB:", "", table(rows)]
+           f"tensor), {len(rows)} stages, model.remat {remat!r}; per-device GiB:", "",
+           table(rows)]
     if trace:
         out += ["", "Traced with jax.eval_shape (full depth; one device's rows of one optimizer "
                     "step: forward -> per-token loss term -> loss; the whole train step):"]

@@ -34,6 +34,7 @@ class TeacherSpec:
     """Where a teacher lives. `path`: an HF folder, an opd_jax workdir, or a step folder."""
     path: str
     dtype: str | None = None          # compute dtype override (e.g. "bfloat16")
+    remat: str | None = None          # ModelConfig.remat override (a student's init_from)
 
     @property
     def kind(self) -> str:
@@ -56,10 +57,12 @@ class TeacherSpec:
 
     def load(self) -> Transformer:
         if self.kind == "hf":
-            return load_pretrained(self.path, dtype=self.dtype)
+            return load_pretrained(self.path, dtype=self.dtype, remat=self.remat)
         config = self.model_config()
         if self.dtype:
             config = config.replace(dtype=self.dtype)
+        if self.remat:
+            config = config.replace(remat=self.remat)
         abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
         graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
         params = ckpt_lib.restore_params(ckpt_lib.latest_step_dir(self.path), params)

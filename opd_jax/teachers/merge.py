@@ -55,7 +55,4 @@ def merge_models(models: Sequence[nnx.Module], *, weights: Sequence[float] | Non
 
 
 def _arch(model) -> dict:
-    d = model.config.to_dict()
-    d.pop("dtype", None)
-    d.pop("param_dtype", None)
-    return d
+    return model.config.architecture()

@@ -31,12 +31,19 @@ def setup(cfg: ml_collections.ConfigDict):
     return mesh, rules, tokenizer, model_config
 
 
+def _remat(m: ml_collections.ConfigDict) -> str:
+    return m.get("remat", "none")     # config files written before the option existed
+
+
 def planned_model_config(m: ml_collections.ConfigDict):
-    """The config of the model `build_model` will return, read without any weights."""
+    """The config of the model `build_model` will return, read without any weights.
+
+    With ``init_from`` the architecture (and an opd_jax checkpoint's param dtype) is the
+    checkpoint's; the compute dtype and ``remat`` are always the section's."""
     if m.init_from:
         from opd_jax.teachers import TeacherSpec
         spec = TeacherSpec(m.init_from)
-        config = spec.model_config().replace(dtype=m.dtype)
+        config = spec.model_config().replace(dtype=m.dtype, remat=_remat(m))
         # HF weights are cast to param_dtype on load; opd_jax runs keep their own.
         return config.replace(param_dtype=m.param_dtype) if spec.kind == "hf" else config
     return model_config_from(m)
@@ -47,11 +54,11 @@ def build_model(m: ml_collections.ConfigDict, mesh: Mesh, rules, *, seed: int) -
     from opd_jax.models import Transformer
     if m.init_from:
         from opd_jax.teachers import TeacherSpec
-        spec = TeacherSpec(m.init_from, dtype=m.dtype)
+        spec = TeacherSpec(m.init_from, dtype=m.dtype, remat=_remat(m))
         if spec.kind == "hf":
             from opd_jax.models import load_pretrained
             return load_pretrained(m.init_from, dtype=m.dtype, param_dtype=m.param_dtype,
-                                   mesh=mesh, rules=rules)
+                                   mesh=mesh, rules=rules, remat=_remat(m))
         return sh.shard_model(spec.load(), mesh, rules)
     config = model_config_from(m)
     return sh.init_sharded(lambda: Transformer(config, rngs=nnx.Rngs(seed)), mesh, rules)

@@ -25,13 +25,18 @@ from opd_jax.trainers.state import compile_step, create_state, make_optimizer, p
 
 
 def check_workdir(workdir: str, model_meta: dict) -> Checkpointer:
-    """Refuse a workdir whose checkpoints belong to a different model (before any write)."""
+    """Refuse a workdir whose checkpoints belong to a different model (before any write).
+
+    Every ModelConfig field must match except EXECUTION_FIELDS (``remat``): switching
+    gradient checkpointing on or off for a resumed run is allowed (same params, same values;
+    checkpoints written before the option existed have no ``remat`` key)."""
+    from opd_jax.models.config import EXECUTION_FIELDS
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
     if ckpt.latest_step() is not None:
-        saved = ckpt.read_meta().get("model")
-        if saved != model_meta:
-            diff = sorted(k for k in set(saved or {}) | set(model_meta)
-                          if (saved or {}).get(k) != model_meta.get(k))
+        keep = lambda d: {k: v for k, v in (d or {}).items() if k not in EXECUTION_FIELDS}
+        saved, want = keep(ckpt.read_meta().get("model")), keep(model_meta)
+        if saved != want:
+            diff = sorted(k for k in set(saved) | set(want) if saved.get(k) != want.get(k))
             raise ValueError(f"workdir {workdir!r} holds a checkpoint of a different model "
                              f"(differs in: {', '.join(diff)}); use a new --workdir")
     return ckpt

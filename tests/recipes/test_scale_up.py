@@ -52,6 +52,10 @@ def test_preset_builds_and_estimates(estimates, recipe, preset):
             assert r["geometry"].micro >= 1 and r["geometry"].seq == scale_up.SEQ_LEN
             assert r["optimizer"] == pytest.approx(2 * r["params"], rel=1e-3)   # Adam mu, nu
         assert all(math.isfinite(x) and x > 0 for x in numbers), (r["stage"], numbers)
+    # With remat="layer" every training stage fits at T = 4096 (the merges are not trained).
+    trained = [r for r in rows if r["kind"] != "merge"]
+    assert all(r["model"].remat == "layer" and r["fits"] for r in trained)
+    assert all(r["max_seq"] >= scale_up.SEQ_LEN for r in trained)
     teachers = [r for r in rows if r["kind"] == "opd"]
     assert teachers and all(0 < r["n_loaded"] < r["n_teachers"] for r in teachers)
     if recipe != "glm":        # 8B teachers from their own SFT stage; the student stays 1.7B
@@ -73,6 +77,36 @@ def test_same_config_same_numbers_on_both_meshes(estimates):
     # unembeddings, and builds no [T, V] logits of its own.
     assert ds["student"]["teacher_cache"] > ds["sampled_student"]["teacher_cache"]
     assert ds["student"]["activations"]["total"] < ds["sampled_student"]["activations"]["total"]
+
+
+def test_remat_estimate_keeps_layer_inputs_and_recomputes_one_layer():
+    """The estimate follows the stage's model.remat: with "layer" each layer adds only its
+    bf16 [rows, T, D] input, and one layer's activations (its [H, T, T] attention too) are
+    counted once, for its recomputation in the backward."""
+    c = _load("glm", "scale_8xh100")
+    stages = scale_up.plan(c)
+    models = scale_up.stage_models(stages)
+    student = next(s for s in stages if s.name == "student")
+    mesh_shape, rules = tuple(student.config.mesh.shape), scale_up._rules(student.config)
+    geo = scale_up.geometry(student, scale_up.abstract_mesh(mesh_shape))
+    dims = tuple((0, 0) for _ in dict.fromkeys(student.teachers.values()))
+    model = models["student"]
+    L, T, D, H = model.num_layers, geo.seq, model.hidden_size, model.num_heads
+
+    def act(m):
+        return scale_up.activation_bytes("opd", scale_up._stage_key(student), m, geo.micro, T,
+                                         dims, mesh_shape, rules)
+
+    remat, plain = act(model), act(model.replace(remat="none"))
+    deeper = act(model.replace(num_layers=L + 4))
+    assert model.remat == "layer" and plain["recompute"] == 0
+    assert deeper["total"] - remat["total"] == 4 * geo.micro * T * D * 2
+    # Attention: every layer's without remat, one layer's with it (>= fp32 scores + probs).
+    assert remat["attention"] == pytest.approx(plain["attention"] / L)
+    assert remat["attention"] >= 2 * geo.micro * H * T * T * 4
+    assert remat["recompute"] >= remat["attention"]
+    # Without remat the stage does not fit the 80 GiB of an H100; with it, easily.
+    assert plain["total"] > 80 * scale_up.GIB > 4 * remat["total"]
 
 
 def test_traced_steps_compose():

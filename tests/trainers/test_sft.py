@@ -1,6 +1,7 @@
 """SFT end to end: the step, sharded == unsharded, loss falls, kill -9 + resume is bitwise."""
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,9 +13,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from opd_jax import sharding as sh
+from opd_jax.checkpoint import Checkpointer
 from opd_jax.config import load_config
 from opd_jax.trainers import builders
-from opd_jax.trainers.run_sft import train_sft
+from opd_jax.trainers.run_sft import check_workdir, train_sft
 from opd_jax.trainers.sft import sft_step
 from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
 
@@ -63,6 +65,16 @@ def test_sharded_step_equals_unsharded(shape, single_device_step):
     _assert_trees_close(params, ref_params, 1e-5)
 
 
+def test_remat_sharded_step_equals_plain_step(single_device_step):
+    """model.remat="layer" composes with the sharding rules and the scan over micro-batches:
+    the same loss and update as the plain single-device step."""
+    params, metrics = _one_step(_cfg("--config.model.remat=layer", "--config.optim.grad_accum=2"),
+                                sh.make_mesh((2, 2, 2)), grad_accum=2)
+    ref_params, ref_metrics = single_device_step
+    np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+    _assert_trees_close(params, ref_params, 1e-5)
+
+
 def test_grad_accumulation_is_exact(single_device_step):
     mesh = sh.make_mesh((1, 1, 1), devices=jax.devices()[:1])
     params, metrics = _one_step(_cfg("--config.optim.grad_accum=4"), mesh, grad_accum=4)
@@ -99,6 +111,21 @@ def test_workdir_of_a_different_model_is_refused(trained):
                   progress=False)
     assert sorted(os.listdir(workdir / "checkpoints")) == before
     assert os.path.getmtime(workdir / "config.json") == stamp
+
+
+def test_resume_with_remat_switched_on(trained, tmp_path):
+    """remat is not part of the model a workdir holds: a run resumes under another value
+    (and a checkpoint whose metadata predates the option is accepted too)."""
+    workdir, _ = trained
+    copy = tmp_path / "resumed"
+    shutil.copytree(workdir, copy)
+    meta = builders.planned_model_config(_cfg().model).to_dict()
+    check_workdir(str(copy), {k: v for k, v in meta.items() if k != "remat"})
+    out = train_sft(_cfg("--config.train.steps=62", "--config.train.ckpt_every=30",
+                         "--config.optim.warmup_steps=5", "--config.model.remat=layer"),
+                    str(copy), progress=False)
+    assert out["step"] == 62 and np.isfinite(out["loss"])
+    assert Checkpointer(str(copy / "checkpoints")).read_meta()["model"]["remat"] == "layer"
 
 
 def _final_params(workdir, step):
