@@ -37,7 +37,10 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
                             "--config.train.ckpt_every=60", "--config.optim.lr=1e-3",
                             "--config.optim.warmup_steps=5")
     c.specialist = base("grpo.py:tiny", *run(steps=20, lr=2e-4, prompts=16))
-    opd = [*run(steps=20, lr=3e-4, prompts=32), "--config.teachers.max_loaded=2"]
+    # Both students: the same rollouts and optimizer steps (the full-vocabulary objective's
+    # learning_check settings: 64 prompts x 4 minibatches, lr 3e-4 with cosine decay).
+    opd = [*run(steps=60, lr=3e-4, prompts=64), "--config.teachers.max_loaded=2",
+           "--config.rl.minibatches=4", "--config.optim.schedule=cosine"]
     c.student = base("opd.py:deepseek_full_vocab", *opd)
     c.sampled_student = base("opd.py:kimi_mopd", *opd)
     c.merge = ml_collections.ConfigDict(dict(method="task_arithmetic", scale=1.0))
@@ -46,13 +49,11 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     c.eval.difficulty = 1
     c.eval.sampling.max_new_tokens = 48
     if arg == "reduced":
-        # The committed reduced results (README) ran specialists by GRPO alone; rerun with
-        # --config.specialist_sft.train.steps=60 for specialist SFT + GRPO.
-        c.specialist_sft.train.steps = 0
+        pass
     elif arg == "full":
         c.seeds = (0, 1, 2)
         c.specialist.train.steps = 40
-        c.student.train.steps = c.sampled_student.train.steps = 40
+        c.student.train.steps = c.sampled_student.train.steps = 120
     elif arg == "smoke":
         c.domains = {"general": "arithmetic", "coding": "code_expr"}
         c.specialists = {"math_short": ("general", "low"), "math_long": ("general", "max"),

@@ -154,9 +154,10 @@ def test_tiny_presets_plans_unchanged():
         ("rl_general_low", "rl_general_high"), ("student", "sft"), ("merge", "sft")]
     d = recipe_module("deepseek_v4").build(_load("deepseek_v4", "reduced"), 0)
     assert [(s.name, s.init_from) for s in d] == [
-        ("sft", None), ("spec_agent", "sft"), ("spec_code", "sft"), ("spec_math_long", "sft"),
-        ("spec_math_short", "sft"), ("student", "sft"), ("sampled_student", "sft"),
-        ("merge", "sft")]
+        ("sft", None), ("sft_agent", "sft"), ("spec_agent", "sft_agent"), ("sft_code", "sft"),
+        ("spec_code", "sft_code"), ("sft_math_long", "sft"), ("spec_math_long", "sft_math_long"),
+        ("sft_math_short", "sft"), ("spec_math_short", "sft_math_short"), ("student", "sft"),
+        ("sampled_student", "sft"), ("merge", "sft")]
     scaled = {s.name: s for s in recipe_module("kimi_k3").build(_load("kimi_k3", "scale_v5p64"), 0)}
     assert scaled["rl_agent_max"].init_from == "teacher_sft"
     assert scaled["merge"].init_from == "teacher_sft" and scaled["student"].init_from == "sft"
