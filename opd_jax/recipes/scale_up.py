@@ -257,10 +257,6 @@ def optimizer_bytes(config: ModelConfig, optim_key: str, mesh_shape: tuple, rule
     return per_device_bytes(jax.eval_shape(tx.init, params), abstract_mesh(mesh_shape), rules)
 
 
-def _arch(config: ModelConfig) -> dict:
-    return config.architecture()
-
-
 def stage_models(stages) -> dict[str, ModelConfig]:
     """Each stage's model: its own section, or (init_from) the model of the stage it starts
     from, which must have the same architecture as the section (the runtime reads the
@@ -273,9 +269,11 @@ def stage_models(stages) -> dict[str, ModelConfig]:
             keys = sorted(s.teachers)
             refs = [s.teachers[k] for k in keys] + ([s.init_from] if s.init_from else [])
             base = models[refs[-1]]
+            want = base.architecture()
             for ref in refs:
-                if _arch(models[ref]) != _arch(base):
-                    diff = sorted(k for k, v in _arch(base).items() if _arch(models[ref])[k] != v)
+                got = models[ref].architecture()
+                if got != want:
+                    diff = sorted(k for k, v in want.items() if got[k] != v)
                     raise ValueError(f"stage {s.name!r}: merges stage {ref!r} whose model differs "
                                      f"from {refs[-1]!r} in {diff}; expected one architecture")
             models[s.name] = base
@@ -283,9 +281,10 @@ def stage_models(stages) -> dict[str, ModelConfig]:
         own = model_config_from(s.config.model)
         if s.init_from:
             parent = models[s.init_from]
-            if _arch(parent) != _arch(own):
-                diff = ", ".join(f"{k}={v} (stage {s.init_from!r}: {_arch(parent)[k]})"
-                                 for k, v in _arch(own).items() if _arch(parent)[k] != v)
+            have, want = parent.architecture(), own.architecture()
+            if have != want:
+                diff = ", ".join(f"{k}={v} (stage {s.init_from!r}: {have[k]})"
+                                 for k, v in want.items() if have[k] != v)
                 raise ValueError(f"stage {s.name!r}: model section differs from stage "
                                  f"{s.init_from!r} it starts from: {diff}; expected the same "
                                  f"architecture (the run loads that stage's checkpoint)")
@@ -321,12 +320,12 @@ def geometry(stage, mesh: AbstractMesh) -> Geometry:
                              f"optim.grad_accum={accum} micro-batches over {devices} batch "
                              f"devices; expected a multiple of {devices * accum}")
         return Geometry(B // devices, B // devices // accum, T, accum)
-    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    from opd_jax.trainers.builders import policy_rows
+    try:
+        rows = policy_rows(cfg, devices)
+    except ValueError as e:
+        raise ValueError(f"stage {stage.name!r}: {e}") from None
     mb, T = cfg.rl.minibatches, cfg.rollout.seq_len
-    if rows % mb or (rows // mb) % devices:
-        raise ValueError(f"stage {stage.name!r}: prompts_per_step x group_size = {rows} rows "
-                         f"in rl.minibatches={mb} must split evenly over {devices} batch "
-                         f"devices; expected a multiple of {mb * devices}")
     if T <= 0:
         raise ValueError(f"stage {stage.name!r}: rollout.seq_len={T} (bucketed per batch); "
                          f"expected a fixed positive length to estimate memory at")
@@ -623,7 +622,7 @@ def _max_seq(row: dict, multiple: int = 256) -> int | None:
 
 def _model_name(config: ModelConfig) -> str:
     for name in (STUDENT, TEACHER):
-        if _arch(ModelConfig.preset(name)) == _arch(config):
+        if ModelConfig.preset(name).architecture() == config.architecture():
             return name
     return f"{config.num_layers}L d{config.hidden_size}"
 

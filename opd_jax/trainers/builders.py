@@ -20,6 +20,18 @@ def model_config_from(m: ml_collections.ConfigDict):
     return ModelConfig.from_dict(fields)
 
 
+def policy_rows(cfg: ml_collections.ConfigDict, n_batch_devices: int) -> int:
+    """Rollout rows per iteration (prompts x group size), checked to split into
+    ``rl.minibatches`` optimizer steps whose rows divide over the batch devices."""
+    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    mb = cfg.rl.minibatches
+    if rows % mb or (rows // mb) % n_batch_devices:
+        raise ValueError(f"prompts_per_step x group_size = {rows} rows in rl.minibatches={mb} "
+                         f"must split evenly over {n_batch_devices} batch devices; expected a "
+                         f"multiple of {mb * n_batch_devices}")
+    return rows
+
+
 def setup(cfg: ml_collections.ConfigDict):
     """(mesh, rules, tokenizer, model_config) of a run, checked without touching weights."""
     mesh = sh.make_mesh(tuple(cfg.mesh.shape))

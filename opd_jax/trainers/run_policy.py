@@ -117,12 +117,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     # Everything that needs no weights is checked before anything is built or written.
     mesh, rules, tokenizer, model_config = builders.setup(cfg)
     objective = make_objective(cfg.objective.name, **dict(cfg.objective.options))
-    rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-    n_batch_devices = sh.batch_shards(mesh, rules)
-    if rows % cfg.rl.minibatches or (rows // cfg.rl.minibatches) % n_batch_devices:
-        raise ValueError(f"prompts_per_step x group_size = {rows} rows in {cfg.rl.minibatches} "
-                         f"minibatch(es) must split evenly over the {n_batch_devices} "
-                         f"batch devices of mesh {dict(mesh.shape)}")
+    builders.policy_rows(cfg, sh.batch_shards(mesh, rules))
     is_opd = cfg.objective.name != "grpo"
     bank = None
     cells = [(d, e) for d, _, e in task_cells(cfg.tasks)]

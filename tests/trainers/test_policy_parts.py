@@ -125,3 +125,18 @@ def test_kimi_objective_equals_loss_and_logs_per_teacher():
     ratio = teacher_logp - student_logp(student, batch)
     np.testing.assert_allclose(metrics["teacher1/log_ratio"],
                                jnp.sum(ratio * m1) / jnp.sum(m1), rtol=1e-5)
+
+
+def test_policy_rows_must_split_over_minibatches_and_devices():
+    import ml_collections
+
+    from opd_jax.trainers.builders import policy_rows
+    cfg = ml_collections.ConfigDict(dict(rollout=dict(prompts_per_step=8, group_size=4),
+                                         rl=dict(minibatches=4)))
+    assert policy_rows(cfg, 8) == 32
+    cfg.rl.minibatches = 3
+    with pytest.raises(ValueError, match="rl.minibatches=3"):
+        policy_rows(cfg, 1)
+    cfg.rl.minibatches = 8
+    with pytest.raises(ValueError, match="expected a multiple of 64"):
+        policy_rows(cfg, 8)
