@@ -97,7 +97,7 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
                      rp.fmt(st), rp.fmt(sret, True), rp.fmt(mg)])
     dense_wins = sum(np.mean(v["full_vocab"]) > np.mean(v["sampled"]) for v in out.values())
     merge_wins = sum(np.mean(v["full_vocab"]) > np.mean(v["merge"]) for v in out.values())
-    mean_ret = float(np.nanmean([np.mean(v["retention"]) for v in out.values()]))
+    mean_ret = rp.finite_mean([np.mean(v["retention"]) for v in out.values()])
     cache = per_seed[0]["cache"]
     results = {"recipe": "deepseek_v4", "seeds": list(seeds), "cells": out,
                "teacher_cache": [r["cache"] for r in per_seed],

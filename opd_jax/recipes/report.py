@@ -47,6 +47,13 @@ def ratio(num: float, den: float) -> float:
     return float(num) / float(den) if den > 0 else float("nan")
 
 
+def finite_mean(values: Sequence[float]) -> float:
+    """Mean of the finite values; NaN (without numpy's empty-slice warning) when none is."""
+    v = np.asarray(values, np.float64)
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if v.size else float("nan")
+
+
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     a = np.asarray(values, np.float64)
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0

@@ -51,10 +51,11 @@ that stage's own config and without allocating anything:
   for the full-vocab objective also the cached teacher hidden states of one iteration's
   rows per device ([rows, T, E] bf16 per teacher) and the teachers' [E, V] unembeddings,
   replicated, as the trainer passes them to the step.
-* scoring: the no-grad forward over one iteration's rows per device that recomputes the old
-  log-probs (and, for sampled-token OPD, the teacher's, one after the other): [rows, T, V]
-  logits in bf16 plus their fp32 log-softmax. It does not overlap the backward, so the
-  peak is max(params + grads + optimizer + activations + cache,
+* scoring: the no-grad forward that recomputes the old log-probs (and, for sampled-token
+  OPD, the teachers', one after the other). The trainer runs it one minibatch of rows at a
+  time (``run_policy.in_row_chunks``), so it holds one forward-backward's rows per device:
+  [micro, T, V] logits in bf16 plus their fp32 log-softmax. It does not overlap the
+  backward, so the peak is max(params + grads + optimizer + activations + cache,
   params + optimizer + cache + scoring).
 * merge stages: every merged model plus the base and the result, unsharded on one device
   (as ``teachers.merge_models`` runs).
@@ -577,7 +578,7 @@ def estimate(c: ml_collections.ConfigDict, *, trace: bool = True) -> list[dict]:
                 "optimizer": opt, "activations": acts,
                 "teacher_cache": cache + cache_per_token * geo.seq,
                 "teacher_cache_fixed": cache,
-                "scoring": 0 if s.kind == "sft" else geo.rows * geo.seq * model.vocab_size * 6,
+                "scoring": 0 if s.kind == "sft" else geo.micro * geo.seq * model.vocab_size * 6,
                 "n_teachers": len(teacher_models),
                 "n_loaded": min(cfg.teachers.max_loaded or len(teacher_models),
                                 len(teacher_models)) if teacher_models else 0}

@@ -74,11 +74,29 @@ def route(task: envs.Task, routing: str, table: dict) -> str:
     return key
 
 
-class _TeacherScorer:
-    """Scores episodes with their teachers, one jitted forward per teacher per iteration."""
+def in_row_chunks(fn, batch: dict, rows: int):
+    """``fn`` on consecutive `rows`-row slices of `batch`, outputs concatenated along rows.
 
-    def __init__(self, bank: TeacherBank, tokenizer, kind: str, role: str = "student"):
+    The no-grad scoring passes (old / reference log-probs, teachers) run one training
+    minibatch of rows at a time, so their [rows, T, V] logits never exceed what the train
+    step itself holds. Slices keep the global row order (as the minibatch split does).
+    """
+    B = jax.tree.leaves(batch)[0].shape[0]
+    if rows <= 0 or B % rows:
+        raise ValueError(f"scoring chunk of {rows} rows for a batch of {B}: expected a "
+                         f"positive divisor of {B}")
+    outs = [fn(jax.tree.map(lambda x: x[i:i + rows], batch)) for i in range(0, B, rows)]
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs) if len(outs) > 1 else outs[0]
+
+
+class _TeacherScorer:
+    """Scores episodes with their teachers: each teacher runs once per iteration on the rows
+    routed to it, in chunks of `chunk_rows` (the last chunk padded by repeating a row)."""
+
+    def __init__(self, bank: TeacherBank, tokenizer, kind: str, role: str = "student",
+                 chunk_rows: int = 0):
         self.bank, self.tokenizer, self.kind, self.role = bank, tokenizer, kind, role
+        self.chunk_rows = chunk_rows
         self._fns = {}
 
     def _fn(self, graphdef):
@@ -88,7 +106,8 @@ class _TeacherScorer:
         return self._fns[graphdef]
 
     def __call__(self, episodes, weights, student_seqs):
-        """Per teacher key: (rows with weight > 0, values aligned to student targets, W_t)."""
+        """Per teacher key: (rows with weight > 0, values aligned to student targets for all
+        B rows, zeros on the rows it does not score, W_t)."""
         B, T = student_seqs["targets"].shape
         bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         out = {}
@@ -99,17 +118,23 @@ class _TeacherScorer:
             rows = [b for b, w in enumerate(weights) if w.get(key, 0.0) > 0]
             teacher = self.bank.get(key)
             graphdef, params, rest = nnx.split(teacher, nnx.Param, ...)
+            chunk = min(self.chunk_rows or len(rows), len(rows))
+            padded = rows + rows[:1] * (-len(rows) % chunk)
             prompts = [bos + encode(self.tokenizer, envs.render_prompt(episodes[b].task,
                                                                         role=self.role))
-                       for b in range(B)]
-            # Score every row (fixed shapes: one compile per teacher shape), keep `rows`.
-            tseq = build_sequences(prompts, [e.response_ids for e in episodes],
-                                   seq_len=bucket(max(len(p) + len(e.response_ids) for p, e in
-                                                      zip(prompts, episodes)) - 1))
-            vals = self._fn(graphdef)(params, rest, tseq)
+                       for b in padded]
+            responses = [episodes[b].response_ids for b in padded]
+            # Row length bucketed (one compile per teacher shape and bucket).
+            tseq = build_sequences(prompts, responses, seq_len=bucket(
+                max(len(p) + len(r) for p, r in zip(prompts, responses)) - 1))
+            vals = in_row_chunks(lambda sub: self._fn(graphdef)(params, rest, sub),
+                                 {k: v for k, v in tseq.items()
+                                  if k not in ("prompt_len", "response_len")}, chunk)
             aligned = align_to_student(vals, jnp.asarray(tseq["prompt_len"]),
-                                       jnp.asarray(student_seqs["prompt_len"]), T)
-            out[key] = (rows, aligned, teacher.unembedding() if self.kind == "hidden" else None)
+                                       jnp.asarray(student_seqs["prompt_len"][padded]), T)
+            full = jnp.zeros((B,) + aligned.shape[1:], aligned.dtype)
+            full = full.at[np.asarray(rows)].set(aligned[:len(rows)])
+            out[key] = (rows, full, teacher.unembedding() if self.kind == "hidden" else None)
         return out
 
 
@@ -164,9 +189,17 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
         return step_fns[n_teachers]
 
     logp_fn = jax.jit(functools.partial(batch_logprobs, graphdef=graphdef))
+    # Scoring passes run one minibatch of rows at a time (memory bounded like the step's).
+    score_rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // cfg.rl.minibatches
+
+    def score(params, rest, batch):
+        inputs = {k: batch[k] for k in ("inputs", "targets", "segment_ids")}
+        return in_row_chunks(lambda sub: logp_fn(params, rest, sh.shard_batch(sub, mesh, rules)),
+                             inputs, score_rows)
     scorer = _TeacherScorer(bank, tokenizer, "hidden" if cfg.objective.name ==
                             "deepseek_full_vocab" else "logp",
-                            role=cfg.teachers.prompt_role) if is_opd else None
+                            role=cfg.teachers.prompt_role,
+                            chunk_rows=score_rows) if is_opd else None
     heldout = [t for d, fam, e in task_cells(cfg.tasks)
                for t in evaluate.heldout_tasks({d: fam}, (e,), n=cfg.eval.n,
                                                seed=cfg.tasks.seed + cfg.eval.seed,
@@ -238,11 +271,11 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                     teachers_W = tuple(scored[k][2] for k in order)
                 metrics["teachers_loaded"] = float(len(bank.loaded()))
             batch = sh.shard_batch(batch, mesh, rules)
-            lp = logp_fn(state.params, state.rest, batch)
+            lp = score(state.params, state.rest, batch)
             batch["old_logp"] = lp["logp"]
             metrics["entropy"] = float(losses.masked_mean(lp["entropy"], batch["mask"]))
             if ref_params is not None:
-                batch["ref_logp"] = logp_fn(ref_params, state.rest, batch)["logp"]
+                batch["ref_logp"] = score(ref_params, state.rest, batch)["logp"]
             B = len(episodes)
             mb = B // cfg.rl.minibatches
             rng = np.random.default_rng(cfg.seed * 7919 + it)

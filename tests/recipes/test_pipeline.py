@@ -2,8 +2,10 @@
 finished stages are skipped, tables and plots are written."""
 import json
 import os
+import warnings
 
 import ml_collections
+import numpy as np
 import pytest
 
 from opd_jax.config import load_config
@@ -119,6 +121,10 @@ def test_report_helpers(tmp_path):
     assert rp.fmt([0.5, 0.7]) == "0.600 ± 0.141"
     assert rp.fmt([0.9, 1.0], pct=True) == "95.0% ± 7.1"
     assert rp.ratio(1.0, 0.0) != rp.ratio(1.0, 0.0)       # NaN: undefined retention
+    assert rp.finite_mean([0.5, float("nan"), 1.0]) == 0.75
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                      # no empty-slice RuntimeWarning
+        assert np.isnan(rp.finite_mean([float("nan")]))
     md = rp.markdown_table(["a", "b"], [["x", "1"]])
     assert md.splitlines() == ["| a | b |", "|---|---:|", "| x | 1 |"]
     p = rp.plot_bars(str(tmp_path / "b.png"), ["c1", "c2"], {"s": [0.5, 1.0]}, title="t",

@@ -51,6 +51,11 @@ def test_preset_builds_and_estimates(estimates, recipe, preset):
                         r["activations"]["attention"]]
             assert r["geometry"].micro >= 1 and r["geometry"].seq == scale_up.SEQ_LEN
             assert r["optimizer"] == pytest.approx(2 * r["params"], rel=1e-3)   # Adam mu, nu
+        if r["kind"] in ("grpo", "opd"):
+            # The scoring pass runs a minibatch of rows at a time, not the whole iteration.
+            geo = r["geometry"]
+            assert r["scoring"] == geo.micro * geo.seq * r["model"].vocab_size * 6
+            assert geo.rows > geo.micro
         assert all(math.isfinite(x) and x > 0 for x in numbers), (r["stage"], numbers)
     # With remat="layer" every training stage fits at T = 4096 (the merges are not trained).
     trained = [r for r in rows if r["kind"] != "merge"]

@@ -140,3 +140,44 @@ def test_policy_rows_must_split_over_minibatches_and_devices():
     cfg.rl.minibatches = 8
     with pytest.raises(ValueError, match="expected a multiple of 64"):
         policy_rows(cfg, 8)
+
+
+@pytest.mark.parametrize("kind", ["logp", "hidden"])
+def test_teacher_scorer_scores_routed_rows_in_chunks(tmp_path, kind):
+    """Each teacher scores only its rows, chunk by chunk; values equal one whole-batch pass."""
+    import dataclasses
+
+    from opd_jax.models import synthetic_tokenizer
+    from opd_jax.teachers.bank import TeacherSpec
+    from opd_jax.trainers.episodes import Episode, encode
+    from opd_jax.trainers.policy import teacher_outputs
+    from opd_jax.trainers.run_policy import _TeacherScorer, in_row_chunks
+    from flax import nnx
+    cfg = dataclasses.replace(CFG, vocab_size=128)
+    paths = {k: _write_teacher(tmp_path / k, cfg, seed=i) for i, k in enumerate("ab")}
+    tok = synthetic_tokenizer()
+    rng = np.random.default_rng(0)
+    tasks = list(envs.TaskSource("arithmetic", size=6, seed=0))
+    bos = [tok.bos_token_id]
+    eps = [Episode(t, bos + encode(tok, envs.render_prompt(t)),
+                   response_ids=[int(x) for x in rng.integers(3, 100, size=n)])
+           for t, n in zip(tasks, [3, 5, 2, 4, 6, 1])]
+    seqs = build_sequences([e.prompt_ids for e in eps], [e.response_ids for e in eps])
+    weights = [{"b": 1.0} if b % 3 == 0 else {"a": 1.0} for b in range(6)]   # b: rows 0, 3
+    whole = _TeacherScorer(TeacherBank(paths), tok, kind)(eps, weights, seqs)
+    chunked = _TeacherScorer(TeacherBank(paths), tok, kind, chunk_rows=3)(eps, weights, seqs)
+    m = seqs["mask"].astype(bool)
+    for key, rows in (("a", [1, 2, 4, 5]), ("b", [0, 3])):
+        assert whole[key][0] == chunked[key][0] == rows
+        # Reference: the teacher on every row at once (the student's prompts), aligned.
+        teacher = TeacherSpec(paths[key]).load()
+        g, p, r = nnx.split(teacher, nnx.Param, ...)
+        ref = np.asarray(teacher_outputs(p, r, seqs, graphdef=g, kind=kind))
+        for got in (whole[key][1], chunked[key][1]):
+            got = np.asarray(got)
+            assert got.shape == ref.shape
+            np.testing.assert_allclose(got[rows][m[rows]], ref[rows][m[rows]], atol=1e-5)
+            others = [b for b in range(6) if b not in rows]
+            assert not got[others].any()                  # rows it does not score: zeros
+    with pytest.raises(ValueError, match="scoring chunk of 4 rows for a batch of 6"):
+        in_row_chunks(lambda x: x, {"x": np.zeros((6, 2))}, 4)
