@@ -15,7 +15,8 @@ from opd_jax.envs.data import (JsonlSource, MixtureSource, TaskSource, grid_sour
                                load_jsonl, save_jsonl)
 from opd_jax.envs.parsing import count_tokens, parse_response
 from opd_jax.envs.rewards import (CompositeReward, GenerativeRewardModel, LengthReward,
-                                  format_reward, score_batch, task_reward)
+                                  format_reward, score_batch, step_many,
+                                  task_reward)
 from opd_jax.envs import agent, coding, general  # noqa: F401  (register built-in families)
 
 __all__ = [
@@ -24,5 +25,5 @@ __all__ = [
     "list_families", "make_env", "register_env", "register_family", "render_prompt", "score",
     "JsonlSource", "MixtureSource", "TaskSource", "grid_source", "load_jsonl", "save_jsonl",
     "count_tokens", "parse_response", "CompositeReward", "GenerativeRewardModel",
-    "LengthReward", "format_reward", "score_batch", "task_reward",
+    "LengthReward", "format_reward", "score_batch", "step_many", "task_reward",
 ]

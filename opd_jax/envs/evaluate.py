@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from opd_jax.envs.base import Task, make_env
 from opd_jax.envs.data import TaskSource
+from opd_jax.envs.rewards import step_many
 
 Policy = Callable[[list[str], list[tuple]], list[str]]
 
@@ -44,8 +45,8 @@ def run_episodes(tasks: Sequence[Task], policy: Policy, *, role: str = "student"
                        [envs[i].stop_strings for i in live])
         if len(texts) != len(live):
             raise ValueError(f"policy returned {len(texts)} texts for {len(live)} contexts")
-        for i, text in zip(live, texts):
-            res, ep = envs[i].step(text), eps[i]
+        for i, text, res in zip(live, texts, step_many([envs[i] for i in live], texts)):
+            ep = eps[i]
             ep.transcript += text + res.observation
             ep.turns += 1
             ep.reward, ep.info, ep.done = res.reward, res.info, res.done

@@ -14,7 +14,8 @@ import re
 from typing import Callable, Mapping, Sequence
 
 from opd_jax.envs import parsing
-from opd_jax.envs.base import RewardFn, RewardResult, Task, get_family, score
+from opd_jax.envs.base import (RewardFn, RewardResult, SingleTurnEnv, StepResult, Task,
+                               get_family, score)
 
 # Special tokens that never belong in a final answer.
 _ANSWER_FORBIDDEN = tuple(t for t in parsing.SPECIAL_TOKENS if t not in ("<eos>", "<pad>"))
@@ -156,6 +157,27 @@ class TaskReward:
 
 
 task_reward = TaskReward()
+
+
+def step_many(environments: Sequence, texts: Sequence[str]) -> list[StepResult]:
+    """``env.step(text)`` for each pair, the same results, with single-turn episodes scored
+    together per family (``TaskReward.batch``: code runs its sandboxes in parallel instead
+    of one program at a time). Multi-turn environments step one by one."""
+    if len(environments) != len(texts):
+        raise ValueError(f"{len(environments)} environments but {len(texts)} texts")
+    out: list[StepResult | None] = [None] * len(texts)
+    single = [i for i, e in enumerate(environments)
+              if type(e) is SingleTurnEnv and e.task is not None]
+    if single:
+        res = task_reward.batch([environments[i].task for i in single],
+                                [texts[i] for i in single])
+        for i, r in zip(single, res):
+            environments[i].task = None              # one step only, as SingleTurnEnv.step
+            out[i] = StepResult("", r.score, True, r.details)
+    for i, e in enumerate(environments):
+        if out[i] is None:
+            out[i] = e.step(texts[i])
+    return out
 
 
 class CompositeReward:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opd_jax.distributed import fetch
+from opd_jax.envs.rewards import step_many
 from opd_jax.rollout import engine
 from opd_jax.rollout.api import ALL_STEPS, bucket, stop_sequences, think_ids
 from opd_jax.rollout.sampling import NO_BUDGET, NO_TOKEN, SamplingParams
@@ -108,9 +109,11 @@ def run_episodes(model, tokenizer, tasks: Sequence, *, envs: Sequence | None = N
                           state.sampled_BxS[:, start + 1:end + 1]
                           | state.forced_BxS[:, start + 1:end + 1]))
         rows = [[] for _ in range(B)]
-        for b in np.flatnonzero(live):
-            text = tokenizer.decode(tok[b][new[b]].tolist(), skip_special_tokens=False)
-            res = envs[b].step(text)
+        stepped = np.flatnonzero(live)
+        decoded = [tokenizer.decode(tok[b][new[b]].tolist(), skip_special_tokens=False)
+                   for b in stepped]
+        # One call per turn: single-turn rewards scored together (code: parallel sandboxes).
+        for b, text, res in zip(stepped, decoded, step_many([envs[b] for b in stepped], decoded)):
             turns[b] += 1
             texts[b] += text + res.observation
             rewards[b], infos[b] = res.reward, dict(res.info)

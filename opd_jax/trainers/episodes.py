@@ -81,7 +81,11 @@ def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig,
                        stop_strings=stop_strings, tokenizer=tokenizer, think_budget=budgets,
                        seed=seed * 1000 + turn, row_ids=np.asarray(live, np.int32), mesh=mesh)
         forced = _forced_flags(res)
-        for j, i in enumerate(live):
+        texts = [tokenizer.decode(toks, skip_special_tokens=False).replace(
+                 tokenizer.eos_token or "\0", "") for toks in res.tokens]
+        # One call per turn: single-turn rewards are scored together (code: parallel sandboxes).
+        steps = envs.step_many([environments[i] for i in live], texts)
+        for j, (i, step) in enumerate(zip(live, steps)):
             ep = episodes[i]
             toks, lps = res.tokens[j], res.logprobs[j]
             ep.response_ids += toks
@@ -89,10 +93,7 @@ def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig,
             ep.response_mask += [0 if f else 1 for f in forced[j]]
             ep.sampler_logp += [float(x) for x in lps]
             ep.finish = res.finish_reasons[j]
-            text = tokenizer.decode(toks, skip_special_tokens=False)
-            text = text.replace(tokenizer.eos_token or "\0", "")
-            ep.text += text
-            step = environments[i].step(text)
+            ep.text += texts[j]
             ep.turns += 1
             ep.reward, ep.info = float(step.reward), dict(step.info)
             if step.done or turn == sampling.max_turns - 1:

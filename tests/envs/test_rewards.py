@@ -93,3 +93,36 @@ def test_composite_weights_and_normalize():
     assert [r.score for r in res] == [1.0, 0.25]
     with pytest.raises(ValueError, match="weights keys"):
         CompositeReward({"a": format_reward}, weights={"b": 1.0})
+
+
+def test_step_many_equals_stepping_one_by_one(monkeypatch):
+    """Same StepResults as env.step per episode; code programs go to one sandbox batch."""
+    from opd_jax.envs import TaskSource, get_family, make_env, sandbox, step_many
+    tasks = (list(TaskSource("arithmetic", size=3, seed=1)) +
+             list(TaskSource("code_expr", size=4, seed=1)) +
+             list(TaskSource("tool_lookup", size=2, seed=1)))
+    texts = ([get_family(t.family).demo(t) for t in tasks[:2]] + ["7"] +
+             [get_family(t.family).demo(t) for t in tasks[3:5]] + ["print(", "1+1"] +
+             ["<think>x</think>lookup(alpha)", "no call"])
+    one_by_one = []
+    for t, x in zip(tasks, texts):
+        e = make_env(t)
+        e.reset(t)
+        one_by_one.append(e.step(x))
+    calls = []
+    run_many = sandbox.run_many
+    monkeypatch.setattr(sandbox, "run_many", lambda codes, **kw: calls.append(len(codes)) or
+                        run_many(codes, **kw))
+    envs_ = [make_env(t) for t in tasks]
+    for t, e in zip(tasks, envs_):
+        e.reset(t)
+    batched = step_many(envs_, texts)
+    assert [(r.observation, r.reward, r.done) for r in batched] == \
+        [(r.observation, r.reward, r.done) for r in one_by_one]
+    assert [r.info.get("passed") for r in batched] == [r.info.get("passed") for r in one_by_one]
+    assert len(calls) == 1 and calls[0] >= 3          # the parsable programs, at once
+    assert sum(r.reward for r in batched[3:5]) == 2.0  # the demos pass
+    with pytest.raises(RuntimeError, match="step\\(\\) before reset"):
+        envs_[0].step("42")                            # single-turn: done after one step
+    with pytest.raises(ValueError, match="2 environments but 1 texts"):
+        step_many(envs_[:2], ["x"])
