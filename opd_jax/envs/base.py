@@ -257,6 +257,9 @@ class SingleTurnEnv:
     def step(self, assistant_text: str) -> StepResult:
         if self.task is None:
             raise RuntimeError("step() before reset(): call env.reset(task) first")
-        res = score(self.task, assistant_text)
+        return self.finish(score(self.task, assistant_text))
+
+    def finish(self, res: RewardResult) -> StepResult:
+        """End the episode with its reward (scored here or with others, `step_many`)."""
         self.task = None  # one step only
         return StepResult("", res.score, True, res.details)

@@ -172,8 +172,7 @@ def step_many(environments: Sequence, texts: Sequence[str]) -> list[StepResult]:
         res = task_reward.batch([environments[i].task for i in single],
                                 [texts[i] for i in single])
         for i, r in zip(single, res):
-            environments[i].task = None              # one step only, as SingleTurnEnv.step
-            out[i] = StepResult("", r.score, True, r.details)
+            out[i] = environments[i].finish(r)
     for i, e in enumerate(environments):
         if out[i] is None:
             out[i] = e.step(texts[i])

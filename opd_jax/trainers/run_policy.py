@@ -74,6 +74,10 @@ def route(task: envs.Task, routing: str, table: dict) -> str:
     return key
 
 
+# What a scoring forward reads from a sequence batch.
+MODEL_INPUTS = ("inputs", "targets", "segment_ids")
+
+
 def in_row_chunks(fn, batch: dict, rows: int):
     """``fn`` on consecutive `rows`-row slices of `batch`, outputs concatenated along rows.
 
@@ -128,8 +132,7 @@ class _TeacherScorer:
             tseq = build_sequences(prompts, responses, seq_len=bucket(
                 max(len(p) + len(r) for p, r in zip(prompts, responses)) - 1))
             vals = in_row_chunks(lambda sub: self._fn(graphdef)(params, rest, sub),
-                                 {k: v for k, v in tseq.items()
-                                  if k not in ("prompt_len", "response_len")}, chunk)
+                                 {k: tseq[k] for k in MODEL_INPUTS}, chunk)
             aligned = align_to_student(vals, jnp.asarray(tseq["prompt_len"]),
                                        jnp.asarray(student_seqs["prompt_len"][padded]), T)
             full = jnp.zeros((B,) + aligned.shape[1:], aligned.dtype)
@@ -189,17 +192,17 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
         return step_fns[n_teachers]
 
     logp_fn = jax.jit(functools.partial(batch_logprobs, graphdef=graphdef))
-    # Scoring passes run one minibatch of rows at a time (memory bounded like the step's).
-    score_rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // cfg.rl.minibatches
+    # Rows per optimizer step; the scoring passes run one such minibatch at a time too
+    # (memory bounded like the step's).
+    minibatch_rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // cfg.rl.minibatches
 
     def score(params, rest, batch):
-        inputs = {k: batch[k] for k in ("inputs", "targets", "segment_ids")}
         return in_row_chunks(lambda sub: logp_fn(params, rest, sh.shard_batch(sub, mesh, rules)),
-                             inputs, score_rows)
+                             {k: batch[k] for k in MODEL_INPUTS}, minibatch_rows)
     scorer = _TeacherScorer(bank, tokenizer, "hidden" if cfg.objective.name ==
                             "deepseek_full_vocab" else "logp",
                             role=cfg.teachers.prompt_role,
-                            chunk_rows=score_rows) if is_opd else None
+                            chunk_rows=minibatch_rows) if is_opd else None
     heldout = [t for d, fam, e in task_cells(cfg.tasks)
                for t in evaluate.heldout_tasks({d: fam}, (e,), n=cfg.eval.n,
                                                seed=cfg.tasks.seed + cfg.eval.seed,
@@ -263,10 +266,9 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                         tl[rows] = np.asarray(vals)[rows]
                     batch["teacher_logp"] = tl
                 else:
-                    # Rows a teacher does not score hold zeros (masked out in the loss).
-                    batch["teacher_hidden"] = tuple(
-                        jnp.asarray(scored[k][1]) * jnp.asarray(onehot[:, s, None, None] > 0)
-                        for s, k in enumerate(order))
+                    # Rows a teacher does not score hold zeros (the scorer's; masked out in
+                    # the loss).
+                    batch["teacher_hidden"] = tuple(scored[k][1] for k in order)
                     batch["teacher_weights"] = onehot
                     teachers_W = tuple(scored[k][2] for k in order)
                 metrics["teachers_loaded"] = float(len(bank.loaded()))
@@ -276,11 +278,10 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
             metrics["entropy"] = float(losses.masked_mean(lp["entropy"], batch["mask"]))
             if ref_params is not None:
                 batch["ref_logp"] = score(ref_params, state.rest, batch)["logp"]
-            B = len(episodes)
-            mb = B // cfg.rl.minibatches
+            mb = minibatch_rows
             rng = np.random.default_rng(cfg.seed * 7919 + it)
             for _ in range(cfg.rl.ppo_epochs):
-                perm = rng.permutation(B)
+                perm = rng.permutation(len(episodes))
                 for k in range(cfg.rl.minibatches):
                     idx = np.sort(perm[k * mb:(k + 1) * mb])
                     sub = sh.shard_batch(jax.tree.map(lambda x: x[idx], batch), mesh, rules)
