@@ -9,7 +9,8 @@ prints a progress bar with the masked token loss falling from ~4.8 to ~1.0 in 20
 then where the final checkpoint went. Re-running the same command resumes from the latest checkpoint.
 
 Presets: ``tiny`` (default, CPU), ``tasks`` (cold start on the built-in tasks' demos,
-for RL and OPD), ``jsonl`` (your data: set --config.data.path and
+for RL and OPD), ``base`` (the built-in base model's pretraining on the corpus of every
+family's train split; run through ``python -m opd_jax.recipes.base_model``), ``jsonl`` (your data: set --config.data.path and
 --config.tokenizer), ``qwen3_1p7b`` (an HF checkpoint folder; set --config.model.init_from;
 4096-token rows with ``model.remat="layer"``, gradient checkpointing of each decoder layer).
 Any key can be overridden, e.g. ``--config.optim.lr=1e-3 --config.train.steps=50``.
@@ -32,6 +33,8 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         tasks=ml_collections.ConfigDict(dict(   # source="tasks": envs task demos (cold start)
             families={"general": "arithmetic"}, efforts=("low", "high", "max"),
             difficulty=1, size=2000, seed=0)),
+        corpus=ml_collections.ConfigDict(dict(  # source="corpus": the base model's corpus
+            per_cell=300, testbed_per_cell=1200)),
         num_examples=2000,
         max_digits=2,
         seq_len=32,
@@ -52,6 +55,15 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         c.data.seq_len = 64
         c.train.steps = 300
         c.train.ckpt_every = 100
+    elif arg == "base":                  # the built-in base model (opd_jax.recipes.base_model)
+        c.data.source = "corpus"
+        c.data.seq_len = 320
+        c.data.batch_size = 24
+        c.data.packing = True
+        c.model.update(num_layers=4, hidden_size=192, intermediate_size=768, num_heads=6,
+                       num_kv_heads=2, head_dim=32, max_position_embeddings=512)
+        c.optim.update(lr=3e-3, warmup_steps=100, min_lr_ratio=0.05)
+        c.train.update(steps=1600, log_every=25, ckpt_every=200, keep_checkpoints=2)
     elif arg == "jsonl":
         c.data.source = "jsonl"
         c.data.seq_len = 512
@@ -71,5 +83,5 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         c.train.ckpt_every = 200
         c.mesh.shape = (1, -1, 1)
     else:
-        raise KeyError(f"presets are tiny, tasks, jsonl, qwen3_1p7b; got {arg!r}")
+        raise KeyError(f"presets are tiny, tasks, base, jsonl, qwen3_1p7b; got {arg!r}")
     return c

@@ -11,6 +11,11 @@ the answer must equal the expression over the hidden table and, by default, ever
 it must have been looked up (values are random per task, so guessing scores ~0 anyway).
 Thinking in all turns counts against the effort's think budget. Difficulty 1..5 raises the
 number of names and the size of their values.
+
+Family `tool_chain` (the testbed family) offers only `lookup`: "Tools: lookup NAME.
+kiwi+fig-plum=?" with one-digit values and 2, 3, 4, 6, 8 names at difficulty 1..5. With no
+calculator the final sum needs a scratchpad over the looked-up values (notes "kiwi=7", then
+running totals), so the effort's think budget binds.
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ NAMES = ("kiwi", "fig", "plum", "lime", "pear", "date", "yam", "corn", "bean", "
 AGENT_LEVELS = {1: (2, 9, "+"), 2: (2, 99, "+-"), 3: (3, 9, "+-"), 4: (3, 99, "+-"),
                 5: (4, 99, "+-*")}
 TOOL_HEADER = "Tools: lookup NAME, calc EXPR. "
+CHAIN_HEADER = "Tools: lookup NAME. "
+CHAIN_NAMES = {1: 2, 2: 3, 3: 4, 4: 6, 5: 8}   # difficulty -> names in tool_chain
 _CALC_RE = re.compile(r"^[0-9+\-*() ]{1,64}$")
 
 
@@ -44,6 +51,30 @@ def gen_tool_lookup(rng, difficulty: int) -> tuple[str, dict]:
     expr = names[0] + "".join(s + n for s, n in zip(signs, names[1:]))
     answer = safe_calc(_substitute(expr, table))
     return f"{TOOL_HEADER}{expr}=?", {"table": table, "expr": expr, "answer": str(answer)}
+
+
+def gen_tool_chain(rng, difficulty: int) -> tuple[str, dict]:
+    if difficulty not in CHAIN_NAMES:
+        raise ValueError(f"tool_chain: difficulty={difficulty!r}, expected one of "
+                         f"{sorted(CHAIN_NAMES)}")
+    names = rng.sample(NAMES, CHAIN_NAMES[difficulty])
+    table = {n: rng.randint(0, 9) for n in names}
+    total, expr, ops = table[names[0]], names[0], []
+    for n in names[1:]:
+        op = rng.choice("+-")
+        total = total + table[n] if op == "+" else total - table[n]
+        ops.append((op, table[n], total))
+        expr += op + n
+    notes = ";".join(f"{n}={table[n]}" for n in names)
+    forms = parsing.chain_forms(table[names[0]], ops)
+    return (f"{CHAIN_HEADER}{expr}=?", {"table": table, "expr": expr, "answer": str(total),
+                                          "tools": ["lookup"],
+                                          "forms": [f"{notes};{forms[0]}", *forms]})
+
+
+def _canonical(prompt: str, reference: dict) -> str:
+    """A lookup problem is its prompt and its hidden table (the table decides the answer)."""
+    return prompt + "|" + ",".join(f"{k}={v}" for k, v in sorted(reference["table"].items()))
 
 
 def _substitute(expr: str, table: dict) -> str:
@@ -106,7 +137,7 @@ class ToolEnv:
                 self.looked_up.add(arg)
                 return str(table[arg])
             return f"error: unknown name {arg[:16]!r}"
-        if name == "calc":
+        if name == "calc" and "calc" in self.task.reference.get("tools", ("lookup", "calc")):
             try:
                 return str(safe_calc(arg))
             except ValueError as e:
@@ -168,6 +199,18 @@ def tool_demo(task: Task) -> str:
     return text + call + env.step(call).observation + ans
 
 
+def chain_demo(task: Task) -> str:
+    """A correct tool_chain episode: every lookup, then the scratchpad that fits the budget."""
+    env = ToolEnv()
+    env.reset(task)
+    text = ""
+    for name in re.findall(r"[a-z]+", task.reference["expr"]):
+        call = f"{parsing.TOOL_OPEN}lookup {name}{parsing.TOOL_CLOSE}"
+        text += call + env.step(call).observation
+    return text + parsing.fit_scratchpad(task.reference["forms"], task.reference["answer"],
+                                         effort_spec(task).think_budget)
+
+
 def split_turns(transcript: str) -> list[str]:
     """Assistant turns of a transcript (observations "<|tool|>...<|assistant|>" removed)."""
     turns = re.split(r"<\|tool\|>.*?<\|assistant\|>", transcript, flags=re.DOTALL)
@@ -195,4 +238,7 @@ def transcript_reward(task: Task, response: str) -> RewardResult:
 register_env("tool_lookup", ToolEnv)
 TOOL_LOOKUP = register_family(TaskFamily("tool_lookup", "agent", gen_tool_lookup,
                                          transcript_reward, env="tool_lookup",
-                                         demo=tool_demo))
+                                         demo=tool_demo, canonical=_canonical))
+TOOL_CHAIN = register_family(TaskFamily("tool_chain", "agent", gen_tool_chain,
+                                        transcript_reward, env="tool_lookup",
+                                        demo=chain_demo, canonical=_canonical))

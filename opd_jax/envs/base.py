@@ -23,6 +23,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 DOMAINS = ("general", "agent", "coding")
 ROLES = ("student", "teacher")
+# Every procedural problem belongs to exactly one split, fixed by a hash of its canonical
+# form (envs.data.split_of): trainers draw only "train", every evaluation only "eval".
+SPLITS = ("train", "eval")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +67,9 @@ class Task:
     """One prompt in a (domain, effort) cell. `reference` is hidden from the model.
 
     meta may hold "difficulty", and "effort_spec" (an EffortSpec as a dict) to override the
-    default for this cell. env names a multi-turn environment (None: single turn).
+    default for this cell. env names a multi-turn environment (None: single turn). split is
+    "train" or "eval" for procedural tasks (part of the task's identity; JSONL keeps it) and
+    None for tasks brought from elsewhere.
     """
     id: str
     family: str
@@ -74,8 +79,12 @@ class Task:
     reference: dict
     env: str | None = None
     meta: dict = dataclasses.field(default_factory=dict)
+    split: str | None = None
 
     def __post_init__(self):
+        if self.split is not None and self.split not in SPLITS:
+            raise ValueError(f"task {self.id!r}: split={self.split!r}, expected one of "
+                             f"{SPLITS} or None")
         if self.domain not in DOMAINS:
             raise ValueError(f"task {self.id!r}: domain={self.domain!r}, expected one of "
                              f"{DOMAINS}")
@@ -90,7 +99,7 @@ class Task:
         effort_spec(self)  # unknown effort fails here, not at scoring time
 
     def __hash__(self):  # the dict fields are unhashable; equal tasks share these
-        return hash((self.id, self.family, self.effort, self.prompt))
+        return hash((self.id, self.family, self.effort, self.prompt, self.split))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -176,6 +185,8 @@ class TaskFamily:
     rng is a `random.Random`; difficulty an int >= 1 (the family's knob). `demo(task)`
     optionally writes a correct response within the task's think budget (SFT cold start).
     `reward_batch(tasks, responses)` optionally scores many at once (e.g. in parallel).
+    `canonical(prompt, reference)` is the problem's identity for the train/eval split (two
+    tasks with the same canonical form are the same problem); default: the prompt.
     """
     name: str
     domain: str
@@ -185,6 +196,10 @@ class TaskFamily:
     demo: Callable[[Task], str] | None = None
     max_difficulty: int = 5
     reward_batch: Callable[[list, list], list] | None = None
+    canonical: Callable[[str, dict], str] | None = None
+
+    def canonical_form(self, prompt: str, reference: dict) -> str:
+        return prompt if self.canonical is None else self.canonical(prompt, reference)
 
 
 _FAMILIES: dict[str, TaskFamily] = {}

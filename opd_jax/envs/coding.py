@@ -1,4 +1,11 @@
-"""Domain `coding`: write a one-line Python program, run against hidden tests in the sandbox.
+"""Domain `coding`: trace a Python program, or write one run against hidden tests.
+
+Families:
+  code_trace  "x=7;x+=3;x*=2;x%=9;print(x)"  -> "2" (Python's own % and // on negatives).
+              Difficulty 1..5 = 3, 5, 8, 11, 14 statements; the testbed family: a correct
+              answer needs the value after each statement, so the think budget binds.
+              Scored by exact match, no sandbox needed.
+  code_expr   below (a few dozen programs at difficulty 1: not evaluated by the presets).
 
 Prompt: "Python expr in x: multiply by 3, then add 1. f(2)=7"
 Response: "<think>x*3 then +1</think>x*3+1"  (or "def f(x): return x*3+1", ``` fences ok)
@@ -17,6 +24,34 @@ import secrets
 
 from opd_jax.envs import parsing, sandbox
 from opd_jax.envs.base import RewardResult, Task, TaskFamily, effort_spec, register_family
+from opd_jax.envs.general import exact_answer_reward, forms_demo
+
+# difficulty -> number of statements after the assignment
+TRACE_LEVELS = {1: 3, 2: 5, 3: 8, 4: 11, 5: 14}
+# (operator, operand range), repeated by weight: + and - most, then *, then % and //
+TRACE_OPS = ((("+", (1, 9)),) * 3 + (("-", (1, 9)),) * 3 + (("*", (2, 3)),) * 2 +
+             (("%", (4, 9)), ("//", (2, 3))))
+TRACE_BOUND = 99   # |x| stays within it (a statement that would leave it is redrawn)
+
+
+def gen_code_trace(rng, difficulty: int) -> tuple[str, dict]:
+    """Straight-line Python on one int; reference["forms"] are the trace's scratchpads."""
+    if difficulty not in TRACE_LEVELS:
+        raise ValueError(f"code_trace: difficulty={difficulty!r}, expected one of "
+                         f"{sorted(TRACE_LEVELS)}")
+    x0 = x = rng.randint(0, 9)
+    stmts, ops = [f"x={x0}"], []
+    while len(ops) < TRACE_LEVELS[difficulty]:
+        op, (lo, hi) = rng.choice(TRACE_OPS)
+        k = rng.randint(lo, hi)
+        new = {"+": x + k, "-": x - k, "*": x * k, "%": x % k, "//": x // k}[op]
+        if abs(new) > TRACE_BOUND:
+            continue
+        stmts.append(f"x{op}={k}")
+        ops.append((op, k, new))
+        x = new
+    prompt = ";".join(stmts) + ";print(x)"
+    return prompt, {"answer": str(x), "forms": parsing.chain_forms(x0, ops)}
 
 N_TESTS = 6
 INT_OPS = (  # (description, code with {p} = previous expression, k range)
@@ -180,5 +215,10 @@ def code_demo(task: Task) -> str:
     return sol
 
 
-CODE_EXPR = register_family(TaskFamily("code_expr", "coding", gen_code_expr, code_reward,
-                                       demo=code_demo, reward_batch=code_reward_batch))
+CODE_TRACE = register_family(TaskFamily("code_trace", "coding", gen_code_trace,
+                                        exact_answer_reward, demo=forms_demo))
+CODE_EXPR = register_family(TaskFamily(
+    "code_expr", "coding", gen_code_expr, code_reward, demo=code_demo,
+    reward_batch=code_reward_batch,
+    # one problem per program: the same program with another example input is not new
+    canonical=lambda prompt, ref: ref["solution"]))

@@ -2,12 +2,19 @@
 
     src = TaskSource("arithmetic", size=1000, seed=0, difficulty=3, effort="high")
     src[7]                     # the same Task for the same (family, seed, difficulty, index)
+    TaskSource("arithmetic", size=64, split="eval")   # held-out problems only
     ds = grain.MapDataset.source(src).shuffle(seed=1).batch(8, batch_fn=list)
     save_jsonl(list(src)[:10], "tasks.jsonl"); load_jsonl("tasks.jsonl")
 
 Task i is generated from its own `random.Random` seeded with a hash of
 (family, seed, difficulty, i), so any index is reproducible on its own, in any process,
 in any order (what grain's shuffling and multi-worker reading need).
+
+Held out by construction: every problem belongs to one split, "train" or "eval", by a stable
+hash of the family name and its canonical form (`split_of`; 1 problem in EVAL_BUCKETS is
+eval). A source of one split redraws (attempt 1, 2, ... of the same index) until the problem
+is in its split, so no seed, size or index can make a train source yield an eval problem.
+Trainers build train sources (the default); every evaluation builds eval sources.
 """
 from __future__ import annotations
 
@@ -17,23 +24,41 @@ import os
 import random
 from typing import Iterable, Sequence
 
-from opd_jax.envs.base import KNOWN_EFFORTS, EffortSpec, Task, get_family
+from opd_jax.envs.base import KNOWN_EFFORTS, SPLITS, EffortSpec, Task, get_family
+
+EVAL_BUCKETS = 11       # 1/11 of every problem space is eval, 10/11 train
+MAX_SPLIT_ATTEMPTS = 2_000
 
 
-def task_rng(family: str, seed: int, difficulty: int, index: int) -> random.Random:
-    key = f"{family}/{seed}/{difficulty}/{index}".encode()
-    return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+def task_rng(family: str, seed: int, difficulty: int, index: int,
+             attempt: int = 0) -> random.Random:
+    key = f"{family}/{seed}/{difficulty}/{index}" + (f"/{attempt}" if attempt else "")
+    return random.Random(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little"))
+
+
+def split_of(family: str, prompt: str, reference: dict) -> str:
+    """"train" or "eval" for a problem: a hash of (family, canonical form), never a seed."""
+    canon = get_family(family).canonical_form(prompt, reference)
+    h = hashlib.sha256(f"{family}\0{canon}".encode()).digest()
+    return "eval" if int.from_bytes(h[:8], "little") % EVAL_BUCKETS == 0 else "train"
+
+
+def check_split(split: str) -> str:
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: expected one of {SPLITS}")
+    return split
 
 
 class TaskSource:
     """Procedural tasks of one family in one (effort, difficulty) cell; len == size.
 
-    effort: a name in KNOWN_EFFORTS (low/high/max, think_on/think_off) or an EffortSpec (stored in each task's meta so the
-    cell's budget and penalty travel with the task).
+    effort: a name in KNOWN_EFFORTS (low/high/max, think_on/think_off) or an EffortSpec
+    (stored in each task's meta so the cell's budget and penalty travel with the task).
+    split: "train" (what trainers draw) or "eval" (what every evaluation draws).
     """
 
     def __init__(self, family: str, *, size: int, seed: int = 0, difficulty: int = 1,
-                 effort: str | EffortSpec = "high"):
+                 effort: str | EffortSpec = "high", split: str = "train"):
         fam = get_family(family)
         if fam.generate is None:
             raise ValueError(f"task family {family!r} has no generator (it reads tasks from "
@@ -49,7 +74,7 @@ class TaskSource:
         # The name, not the object: sources must pickle for grain workers (a worker
         # imports the module that registers a custom family before reading).
         self.family, self.size, self.seed, self.difficulty = fam.name, size, seed, difficulty
-        self.effort = effort
+        self.effort, self.split = effort, check_split(split)
 
     def __len__(self) -> int:
         return self.size
@@ -60,8 +85,15 @@ class TaskSource:
             raise IndexError(f"index {index} out of range for TaskSource of size {self.size}")
         index %= self.size
         fam = get_family(self.family)
-        prompt, ref = fam.generate(task_rng(fam.name, self.seed, self.difficulty, index),
-                                   self.difficulty)
+        for attempt in range(MAX_SPLIT_ATTEMPTS):
+            prompt, ref = fam.generate(task_rng(fam.name, self.seed, self.difficulty, index,
+                                                attempt), self.difficulty)
+            if split_of(fam.name, prompt, ref) == self.split:
+                break
+        else:
+            raise ValueError(f"{fam.name} at difficulty {self.difficulty}: no {self.split!r} "
+                             f"problem in {MAX_SPLIT_ATTEMPTS} draws (the problem space is "
+                             f"too small for a {self.split} split)")
         meta = {"difficulty": self.difficulty, "seed": self.seed, "index": index}
         effort = self.effort
         if isinstance(effort, EffortSpec):
@@ -69,8 +101,8 @@ class TaskSource:
                                    "think_budget": effort.think_budget,
                                    "length_penalty": effort.length_penalty}
             effort = effort.name
-        tid = f"{fam.name}-d{self.difficulty}-s{self.seed}-{index}"
-        return Task(tid, fam.name, fam.domain, effort, prompt, ref, fam.env, meta)
+        tid = f"{fam.name}-d{self.difficulty}-{self.split}-s{self.seed}-{index}"
+        return Task(tid, fam.name, fam.domain, effort, prompt, ref, fam.env, meta, self.split)
 
     def __iter__(self):
         return (self[i] for i in range(self.size))
@@ -78,7 +110,8 @@ class TaskSource:
     def __repr__(self) -> str:  # grain uses it to check a checkpoint matches the source
         eff = self.effort if isinstance(self.effort, str) else repr(self.effort)
         return (f"TaskSource(family={self.family!r}, size={self.size}, "
-                f"seed={self.seed}, difficulty={self.difficulty}, effort={eff!r})")
+                f"seed={self.seed}, difficulty={self.difficulty}, effort={eff!r}, "
+                f"split={self.split!r})")
 
 
 class MixtureSource:
@@ -109,7 +142,8 @@ class MixtureSource:
 
 
 def grid_source(families: dict[str, str], efforts: Sequence[str | EffortSpec] = ("low", "high",
-                "max"), *, size: int, seed: int = 0, difficulty: int = 1) -> MixtureSource:
+                "max"), *, size: int, seed: int = 0, difficulty: int = 1,
+                split: str = "train") -> MixtureSource:
     """A domain x effort grid: families maps domain -> family name.
 
     >>> grid_source({"general": "arithmetic", "coding": "code_expr"}, size=10)  # 2x3 cells
@@ -121,7 +155,7 @@ def grid_source(families: dict[str, str], efforts: Sequence[str | EffortSpec] = 
                              f"not {domain!r}")
         for e in efforts:
             cells.append(TaskSource(fam, size=size, seed=seed, difficulty=difficulty,
-                                    effort=e))
+                                    effort=e, split=split))
     return MixtureSource(cells)
 
 

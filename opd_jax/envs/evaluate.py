@@ -60,7 +60,7 @@ def effort_table(policy: Policy, families: dict[str, str], *,
                  efforts: Sequence[str] = ("low", "high", "max"),
                  difficulties: Sequence[int] = (1, 3, 5), n: int = 32, seed: int = 0
                  ) -> list[dict]:
-    """Mean reward and accuracy per (domain, difficulty, effort) on n fresh tasks each.
+    """Mean reward and accuracy per (domain, difficulty, effort) on n eval-split tasks each.
 
     The same n tasks are used for every effort of a (domain, difficulty), so columns
     differ only by effort.
@@ -69,7 +69,8 @@ def effort_table(policy: Policy, families: dict[str, str], *,
     for domain, fam in families.items():
         for d in difficulties:
             for e in efforts:
-                tasks = list(TaskSource(fam, size=n, seed=seed, difficulty=d, effort=e))
+                tasks = list(TaskSource(fam, size=n, seed=seed, difficulty=d, effort=e,
+                                        split="eval"))
                 eps = run_episodes(tasks, policy)
                 acc = sum(ep.info.get("correct", 0.0) for ep in eps) / n
                 rows.append({"domain": domain, "family": fam, "difficulty": d, "effort": e,

@@ -1,8 +1,14 @@
 """Domain `general`: verifiable reasoning with exact answers.
 
 Families:
+  chain       "7+3-4+9-2=?"           difficulty 1..5 = 4, 6, 9, 12, 16 one-digit operands;
+              the testbed family: a correct answer needs running totals, so the think
+              budget binds (full steps ~6.5 tokens per operator, totals only ~3)
   arithmetic  "123+45-67=?"           difficulty 1..5 = operand count x digit count
+              (small spaces: 100 problems at difficulty 1, 19,800 at 2: too few for a
+              held-out split of 2,000; the presets do not evaluate it)
   algebra     "3x+4=19, x=?"          difficulty 1..5 = equation shape x coefficient size
+              (a few thousand problems per difficulty; not evaluated by the presets)
   math_answer user-brought tasks (JSONL) whose reference["answer"] is any math answer,
               checked with the `math-verify` package ("\\frac{1}{2}" == "0.5")
 
@@ -44,6 +50,29 @@ def gen_arithmetic(rng, difficulty: int) -> tuple[str, dict]:
         steps.append(f"{total}{s}{v}={new}")
         expr, total = expr + s + str(v), new
     return f"{expr}=?", {"answer": str(total), "steps": steps}
+
+
+# difficulty -> number of one-digit operands
+CHAIN_LEVELS = {1: 4, 2: 6, 3: 9, 4: 12, 5: 16}
+
+
+def gen_chain(rng, difficulty: int) -> tuple[str, dict]:
+    """A +/- chain of one-digit operands; reference["forms"] are its scratchpads."""
+    _check_level("chain", difficulty, CHAIN_LEVELS)
+    nums = [rng.randint(0, 9) for _ in range(CHAIN_LEVELS[difficulty])]
+    total, expr, ops = nums[0], str(nums[0]), []
+    for v in nums[1:]:
+        op = rng.choice("+-")
+        total = total + v if op == "+" else total - v
+        ops.append((op, v, total))
+        expr += f"{op}{v}"
+    return f"{expr}=?", {"answer": str(total), "forms": parsing.chain_forms(nums[0], ops)}
+
+
+def forms_demo(task: Task) -> str:
+    """A correct response with the most detailed scratchpad the effort's budget allows."""
+    return parsing.fit_scratchpad(task.reference["forms"], task.reference["answer"],
+                                  effort_spec(task).think_budget)
 
 
 def gen_algebra(rng, difficulty: int) -> tuple[str, dict]:
@@ -110,6 +139,8 @@ def steps_demo(task: Task) -> str:
     return ans
 
 
+CHAIN = register_family(TaskFamily("chain", "general", gen_chain, exact_answer_reward,
+                                   demo=forms_demo))
 ARITHMETIC = register_family(TaskFamily("arithmetic", "general", gen_arithmetic,
                                         exact_answer_reward, demo=steps_demo))
 ALGEBRA = register_family(TaskFamily("algebra", "general", gen_algebra, exact_answer_reward,

@@ -107,3 +107,37 @@ def verified_reward(parsed: Parsed, correct: float, spec: EffortSpec,
         return 0.0, {"error": parsed.error, "correct": 0.0, **details}
     s, eff = apply_effort(correct, count_fn(parsed.think), spec)
     return s, {"correct": float(correct), **eff, **details}
+
+
+def chain_forms(start: int, ops: list[tuple[str, int, int]]) -> list[str]:
+    """Scratchpads of a left-to-right computation, most detailed first.
+
+    ops are (operator, operand, result) in order, starting from `start`. Forms: every step
+    written out ("7+3=10;10-4=6"), then the running results only ("10,6"), then every 2nd,
+    3rd, ... result (the last always kept: it is the answer). Longer forms are easier for a
+    model (each step is local); shorter ones fit smaller think budgets.
+    """
+    full, prev = [], start
+    for op, v, new in ops:
+        full.append(f"{prev}{op}{v}={new}")
+        prev = new
+    totals = [str(new) for _, _, new in ops]
+    forms = [";".join(full), ",".join(totals)]
+    for stride in range(2, len(totals) + 1):
+        idx = list(range(stride - 1, len(totals), stride))
+        if idx[-1] != len(totals) - 1:
+            idx.append(len(totals) - 1)
+        forms.append(",".join(totals[i] for i in idx))
+    return forms
+
+
+def fit_scratchpad(forms: list[str], answer: str, budget: int) -> str:
+    """The response with the most detailed scratchpad that fits `budget` think tokens.
+
+    >>> fit_scratchpad(["7+3=10;10-4=6", "10,6", "6"], "6", 5)
+    '<think>10,6</think>6'
+    """
+    for form in forms:
+        if form and count_tokens(form) <= budget:
+            return f"{THINK_OPEN}{form}{THINK_CLOSE}{answer}"
+    return answer

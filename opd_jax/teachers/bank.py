@@ -31,10 +31,15 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class TeacherSpec:
-    """Where a teacher lives. `path`: an HF folder, an opd_jax workdir, or a step folder."""
+    """Where a teacher lives. `path`: an HF folder, an opd_jax workdir, a step folder, or
+    a shipped model ("builtin:base")."""
     path: str
     dtype: str | None = None          # compute dtype override (e.g. "bfloat16")
     remat: str | None = None          # ModelConfig.remat override (a student's init_from)
+
+    def __post_init__(self):  # "builtin:base" names a model shipped in the package
+        from opd_jax.models.builtin import resolve_model_path
+        object.__setattr__(self, "path", resolve_model_path(self.path))
 
     @property
     def kind(self) -> str:

@@ -69,7 +69,7 @@ def build_model(m: ml_collections.ConfigDict, mesh: Mesh, rules, *, seed: int) -
         spec = TeacherSpec(m.init_from, dtype=m.dtype, remat=_remat(m))
         if spec.kind == "hf":
             from opd_jax.models import load_pretrained
-            return load_pretrained(m.init_from, dtype=m.dtype, param_dtype=m.param_dtype,
+            return load_pretrained(spec.path, dtype=m.dtype, param_dtype=m.param_dtype,
                                    mesh=mesh, rules=rules, remat=_remat(m))
         return sh.shard_model(spec.load(), mesh, rules)
     config = model_config_from(m)
@@ -84,37 +84,29 @@ def build_sft_dataset(d: ml_collections.ConfigDict, tokenizer):
                                       max_digits=d.max_digits)
     elif d.source == "tasks":
         examples = task_demo_examples(d.tasks)
+    elif d.source == "corpus":
+        from opd_jax.data.corpus import pretraining_corpus
+        examples = pretraining_corpus(per_cell=d.corpus.per_cell,
+                                      testbed_per_cell=d.corpus.testbed_per_cell, seed=d.seed)
     elif d.source == "jsonl":
         if not d.path:
             raise ValueError("data.source='jsonl' needs --config.data.path=FILE.jsonl")
         examples = read_jsonl(d.path)
     else:
-        raise ValueError(f"data.source {d.source!r}: expected 'synthetic', 'tasks' or 'jsonl'")
+        raise ValueError(f"data.source {d.source!r}: expected 'synthetic', 'tasks', 'corpus' "
+                         f"or 'jsonl'")
     return make_sft_dataset(examples, tokenizer, seq_len=d.seq_len, batch_size=d.batch_size,
                             seed=d.seed, packing=d.packing)
 
 
 def task_demo_examples(t: ml_collections.ConfigDict) -> list[dict]:
-    """SFT cold-start data: each task's student prompt and its family's demo response.
-
-    Multi-turn demos (tool calls) keep the environment's observations in the response as
-    untrained pieces, so the model learns its own turns and never the tools' replies.
-    """
-    import re
-
+    """SFT cold-start data: each train-split task's student prompt and its family's demo
+    (`data.corpus.demo_example`: tool observations kept in context, not trained)."""
     from opd_jax import envs
+    from opd_jax.data.corpus import demo_example
     src = envs.grid_source(dict(t.families), tuple(t.efforts), size=t.size, seed=t.seed,
-                           difficulty=t.difficulty)
-    out = []
-    for task in src:
-        fam = envs.get_family(task.family)
-        if fam.demo is None:
-            continue
-        demo = fam.demo(task)
-        # "<|tool|>obs<|assistant|>" spans are the environment's: in the context, not trained.
-        parts = re.split(r"(<\|tool\|>.*?<\|assistant\|>)", demo, flags=re.DOTALL)
-        pieces = [{"text": p, "train": not p.startswith("<|tool|>")} for p in parts if p]
-        out.append({"prompt": envs.render_prompt(task, role="student"), "response": pieces})
+                           difficulty=t.difficulty, split="train")
+    out = [ex for ex in map(demo_example, src) if ex is not None]
     if not out:
         raise ValueError(f"no task with a demo in {dict(t.families)}")
     return out

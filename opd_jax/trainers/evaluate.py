@@ -2,9 +2,9 @@
 
 One row per cell: mean reward, pass rate (fraction of episodes the verifier marked correct)
 and mean response length (sampled tokens), over `n` held-out tasks per cell. The tasks of a
-cell come from a seed the trainers never train on (`EVAL_SEED_OFFSET` is added to the task
-seed), and every effort of a domain sees the same problems, so efforts differ only by their
-control token and budget.
+cell come from the eval split of its family (`envs.split_of`: a hash of the problem, so no
+problem a trainer can draw is ever evaluated), and every effort of a domain sees the same
+problems, so efforts differ only by their control token and budget.
 
     rows = evaluate_model(model, tokenizer, {"general": "arithmetic"}, n=64)
     print(format_rows(rows))
@@ -25,14 +25,13 @@ import numpy as np
 from opd_jax import envs
 from opd_jax.trainers.episodes import SamplingConfig, cell_of, play
 
-EVAL_SEED_OFFSET = 1_000_003
 COLUMNS = ("cell", "domain", "effort", "family", "difficulty", "n", "reward", "pass_rate",
            "length")
 
 
 def heldout_tasks(families: Mapping[str, str], efforts: Sequence[str], *, n: int, seed: int,
                   difficulty: int = 1) -> list[envs.Task]:
-    """n tasks per (domain, effort) cell, from seed + EVAL_SEED_OFFSET (never trained on)."""
+    """n tasks per (domain, effort) cell from the eval split (disjoint from training)."""
     if n <= 0:
         raise ValueError(f"eval n={n}: expected a positive number of tasks per cell")
     out = []
@@ -41,8 +40,8 @@ def heldout_tasks(families: Mapping[str, str], efforts: Sequence[str], *, n: int
             raise ValueError(f"family {fam!r} is in domain {envs.get_family(fam).domain!r}, "
                              f"not {domain!r}")
         for effort in efforts:
-            out += list(envs.TaskSource(fam, size=n, seed=seed + EVAL_SEED_OFFSET,
-                                        difficulty=difficulty, effort=effort))
+            out += list(envs.TaskSource(fam, size=n, seed=seed, difficulty=difficulty,
+                                        effort=effort, split="eval"))
     return out
 
 

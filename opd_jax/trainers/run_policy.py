@@ -59,7 +59,8 @@ def task_cells(t: ml_collections.ConfigDict) -> list[tuple[str, str, str]]:
 def task_dataset(t: ml_collections.ConfigDict, batch: int) -> grain.IterDataset:
     cells = task_cells(t)
     src = envs.MixtureSource([envs.TaskSource(fam, size=t.size, seed=t.seed, effort=e,
-                                              difficulty=t.difficulty) for _, fam, e in cells])
+                                              difficulty=t.difficulty, split="train")
+                              for _, fam, e in cells])
     for (d, fam, _) in cells:
         if envs.get_family(fam).domain != d:
             raise ValueError(f"family {fam!r} is in domain {envs.get_family(fam).domain!r}, "

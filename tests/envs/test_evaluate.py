@@ -46,7 +46,7 @@ def test_run_episodes_stops_a_policy_that_never_answers():
 def test_effort_table_shape_and_penalty_ordering():
     # Oracle demos think only when the steps fit the budget; with a correct answer every
     # time, reward can only fall with the effort's length penalty.
-    tasks = [TaskSource("arithmetic", size=8, seed=0, difficulty=d, effort=e)[i]
+    tasks = [TaskSource("arithmetic", size=8, seed=0, difficulty=d, effort=e, split="eval")[i]
              for d in (1, 5) for e in ("low", "high", "max") for i in range(8)]
     rows = effort_table(_oracle(tasks), {"general": "arithmetic"}, difficulties=(1, 5), n=8)
     assert len(rows) == 6 and all(r["accuracy"] == 1.0 for r in rows)

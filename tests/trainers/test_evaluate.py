@@ -9,7 +9,7 @@ from opd_jax import envs
 from opd_jax.cli import main
 from opd_jax.models import ModelConfig, save_pretrained, synthetic_tokenizer
 from opd_jax.trainers.episodes import Episode, SamplingConfig
-from opd_jax.trainers.evaluate import (EVAL_SEED_OFFSET, aggregate, evaluate_model,
+from opd_jax.trainers.evaluate import (aggregate, evaluate_model,
                                        format_rows, heldout_tasks, write_rows)
 from tests.models.helpers import random_model
 
@@ -24,12 +24,13 @@ def test_heldout_tasks_cover_the_grid_and_are_not_training_tasks():
     cells = [f"{t.domain}/{t.effort}" for t in tasks]
     assert cells == ["general/low"] * 5 + ["general/max"] * 5 + ["coding/low"] * 5 + \
         ["coding/max"] * 5
-    # Every effort of a domain sees the same problems; the seed is not the training seed.
+    # Every effort of a domain sees the same problems; all of them from the eval split.
     assert [t.prompt for t in tasks[:5]] == [t.prompt for t in tasks[5:10]]
-    train = list(envs.TaskSource("arithmetic", size=5, seed=3, difficulty=2, effort="low"))
-    assert [t.id for t in train] != [t.id for t in tasks[:5]]
-    again = list(envs.TaskSource("arithmetic", size=5, seed=3 + EVAL_SEED_OFFSET, difficulty=2,
-                                 effort="low"))
+    assert {t.split for t in tasks} == {"eval"}
+    train = list(envs.TaskSource("arithmetic", size=500, seed=3, difficulty=2, effort="low"))
+    assert not {t.prompt for t in train} & {t.prompt for t in tasks[:5]}
+    again = list(envs.TaskSource("arithmetic", size=5, seed=3, difficulty=2, effort="low",
+                                 split="eval"))
     assert [t.prompt for t in again] == [t.prompt for t in tasks[:5]]
 
 
