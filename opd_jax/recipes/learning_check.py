@@ -4,7 +4,7 @@ The seed's structure at toy scale: a student (SFT on arithmetic and Python-expre
 short), two specialists fine-tuned *from that student* on one family each (arithmetic,
 general/high; expressions, coding/high), then, from the student, each OPD objective distills
 both specialists (routed per sample) and GRPO trains on the arithmetic cell. Rewards are
-greedy on held-out tasks (a seed no trainer sees), per task, so a change is judged by a
+greedy on held-out tasks (the eval split), per task, so a change is judged by a
 paired difference on the same tasks.
 
     python -m opd_jax.recipes.learning_check --workdir runs/learning_check

@@ -1,0 +1,219 @@
+"""Does the testbed have the seed's phenomena? Effort that binds, domains that compete.
+
+From the shipped base (``builtin:base``), for each seed and each testbed domain, a
+specialist: SFT on that domain's train-split demos (all three efforts), then GRPO on it.
+Every model (the base and each specialist) is evaluated greedily on the eval split of
+*every* domain at that domain's evaluation difficulty, under every effort, on the same
+problems (the seed picks the problem draw). Two measurements come out:
+
+* **effort**: per model and domain, reward under max > high > low, by >= 0.10 each;
+* **competition**: a specialist's reward on the *other* domains, against the base's
+  (a fall of >= 0.10 is what mixed RL and weight merging then have to fight).
+
+    python -m opd_jax.recipes.testbed --workdir runs/testbed     # 3 seeds; re-run resumes
+                                                                 # (finished evals are cached)
+
+Results: ``<workdir>/results.json`` (every row, with seeds, commit, command, wall time) and
+``results.md`` (tables and PASS/FAIL computed from it); the committed copy lives in
+``experiments/testbed/results/``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from opd_jax.recipes import trainer_config
+
+TESTBED = {"general": "chain", "agent": "tool_chain", "coding": "code_trace"}
+EFFORTS = ("low", "high", "max")
+# The evaluation difficulty of each domain: where the base leaves room for RL (its card).
+EVAL_DIFFICULTY = {"general": 3, "agent": 3, "coding": 3}
+SEEDS = (0, 1, 2)
+EVAL_N = 64
+SAMPLING = dict(max_new_tokens=224, temperature=0.0, max_turns=10)
+MARGIN = 0.10
+
+
+def stages(seed: int, *, init: str = "builtin:base", sft_steps: int = 150,
+           rl_steps: int = 20) -> list:
+    from opd_jax.recipes.pipeline import Stage
+    out = []
+    for domain, fam in TESTBED.items():
+        d = EVAL_DIFFICULTY[domain]
+        sft = trainer_config(
+            "sft.py:tasks", f"--config.model.init_from={init}", f"--config.seed={seed}",
+            f"--config.data.seed={seed}", f"--config.data.tasks.families={{'{domain}': '{fam}'}}",
+            f"--config.data.tasks.difficulty={d}", "--config.data.tasks.seed=" + str(seed),
+            "--config.data.seq_len=320", "--config.data.packing=True",
+            "--config.data.batch_size=24", f"--config.train.steps={sft_steps}",
+            f"--config.train.ckpt_every={sft_steps}", "--config.optim.lr=5e-4",
+            "--config.optim.warmup_steps=10")
+        rl = trainer_config(
+            "grpo.py:tiny", f"--config.seed={seed}", f"--config.tasks.seed={seed}",
+            f"--config.tasks.families={{'{domain}': '{fam}'}}", f"--config.tasks.efforts={EFFORTS}",
+            f"--config.tasks.difficulty={d}", f"--config.train.steps={rl_steps}",
+            f"--config.train.ckpt_every={rl_steps}", "--config.rollout.prompts_per_step=16",
+            "--config.rollout.group_size=4", "--config.optim.lr=1e-4",
+            f"--config.rollout.sampling.max_new_tokens={SAMPLING['max_new_tokens']}",
+            f"--config.rollout.sampling.max_turns={SAMPLING['max_turns']}",
+            "--config.eval.every=0", "--config.eval.n=16",
+            f"--config.eval.sampling.max_new_tokens={SAMPLING['max_new_tokens']}",
+            f"--config.eval.sampling.max_turns={SAMPLING['max_turns']}")
+        out += [Stage(f"sft_{domain}", "sft", sft),
+                Stage(f"specialist_{domain}", "grpo", rl, init_from=f"sft_{domain}")]
+    return out
+
+
+def evaluate_all(path: str, seed: int, n: int = EVAL_N) -> list[dict]:
+    """Rows for every domain x effort at the domain's evaluation difficulty (eval split)."""
+    from opd_jax.models import synthetic_tokenizer
+    from opd_jax.teachers import TeacherSpec
+    from opd_jax.trainers.episodes import SamplingConfig
+    from opd_jax.trainers.evaluate import evaluate_model
+    model, tok = TeacherSpec(path).load(), synthetic_tokenizer()
+    rows = []
+    for domain, fam in TESTBED.items():
+        rows += evaluate_model(model, tok, {domain: fam}, EFFORTS, n=n, seed=seed,
+                               difficulty=EVAL_DIFFICULTY[domain],
+                               sampling=SamplingConfig(**SAMPLING))
+    return rows
+
+
+def _cached_eval(out_json: str, path: str, seed: int, n: int) -> list[dict]:
+    if os.path.exists(out_json):
+        with open(out_json, encoding="utf-8") as f:
+            return json.load(f)
+    rows = evaluate_all(path, seed, n)
+    tmp = out_json + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(tmp, out_json)
+    return rows
+
+
+def run(workdir: str, seeds=SEEDS, *, init: str = "builtin:base", n: int = EVAL_N,
+        **stage_kw) -> dict:
+    from opd_jax.recipes.pipeline import run_stages, stage_dir
+    t0 = time.time()
+    records = []
+    for seed in seeds:
+        wd = os.path.join(workdir, f"seed{seed}")
+        done = run_stages(stages(seed, init=init, **stage_kw), wd)
+        models = {"base": init, **{f"specialist_{d}": stage_dir(wd, f"specialist_{d}")
+                                   for d in TESTBED}}
+        for name, path in models.items():
+            for r in _cached_eval(os.path.join(wd, f"eval_{name}.json"), path, seed, n):
+                records.append({**r, "model": name, "seed": seed})
+        records.append({"model": "_stages", "seed": seed, "done": done})
+    return {"rows": records, "wall_s": time.time() - t0}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Mean ± std over seeds of reward per (model, domain, effort), and the two claims."""
+    rows = [r for r in rows if r["model"] != "_stages"]
+    seeds = sorted({r["seed"] for r in rows})
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    cell = {(r["model"], r["domain"], r["effort"], r["seed"]): r["reward"] for r in rows}
+
+    def per_seed(m, d, e):
+        return np.array([cell[(m, d, e, s)] for s in seeds if (m, d, e, s) in cell])
+
+    table = {}
+    for m in models:
+        for d in TESTBED:
+            for e in EFFORTS:
+                v = per_seed(m, d, e)
+                table[f"{m}|{d}|{e}"] = (float(v.mean()), float(v.std(ddof=1)) if len(v) > 1
+                                         else 0.0)
+    effort = []
+    for m in models:
+        for d in TESTBED:
+            lo, hi, mx = (per_seed(m, d, e) for e in EFFORTS)
+            gaps = (float((hi - lo).mean()), float((mx - hi).mean()))
+            effort.append({"model": m, "domain": d, "high_minus_low": gaps[0],
+                           "max_minus_high": gaps[1],
+                           "pass": bool(min(gaps) >= MARGIN)})
+    compete = []
+    for d_spec in TESTBED:
+        m = f"specialist_{d_spec}"
+        if m not in models:
+            continue
+        for d in TESTBED:
+            if d == d_spec:
+                continue
+            base = np.mean([per_seed("base", d, e) for e in EFFORTS], axis=0)
+            spec = np.mean([per_seed(m, d, e) for e in EFFORTS], axis=0)
+            drop = base - spec
+            compete.append({"specialist": d_spec, "domain": d, "base": float(base.mean()),
+                            "specialist_reward": float(spec.mean()),
+                            "drop_mean": float(drop.mean()),
+                            "drop_std": float(drop.std(ddof=1)) if len(drop) > 1 else 0.0,
+                            "pass": bool(drop.mean() >= MARGIN)})
+    return {"seeds": seeds, "models": models, "table": table, "effort": effort,
+            "compete": compete}
+
+
+def report_md(summary: dict, meta: dict) -> str:
+    s = summary
+    lines = [f"# Testbed measurements", "",
+             f"Seeds {s['seeds']}; commit {meta['commit']}; command `{meta['command']}`; "
+             f"wall time {meta['wall_s'] / 60:.0f} min; {EVAL_N} eval-split problems per cell "
+             f"and seed, greedy; evaluation difficulty {EVAL_DIFFICULTY}.", "",
+             "## Reward per model, domain and effort (mean ± std over seeds)", "",
+             "| model | domain | " + " | ".join(EFFORTS) + " |", "|---|---|" + "---:|" * 3]
+    for m in s["models"]:
+        for d in TESTBED:
+            lines.append(f"| {m} | {d} | " + " | ".join(
+                "{:.3f} ± {:.3f}".format(*s["table"][f"{m}|{d}|{e}"]) for e in EFFORTS) + " |")
+    lines += ["", f"## Effort binds: max > high > low by >= {MARGIN} each", "",
+              "| model | domain | high - low | max - high | claim |", "|---|---|---:|---:|---|"]
+    lines += [f"| {r['model']} | {r['domain']} | {r['high_minus_low']:+.3f} | "
+              f"{r['max_minus_high']:+.3f} | {'PASS' if r['pass'] else 'FAIL'} |"
+              for r in s["effort"]]
+    lines += ["", f"## Domains compete: a specialist loses >= {MARGIN} on the other domains "
+              "(mean over efforts)", "",
+              "| specialist | domain | base | specialist | drop (mean ± std) | claim |",
+              "|---|---|---:|---:|---:|---|"]
+    lines += [f"| {r['specialist']} | {r['domain']} | {r['base']:.3f} | "
+              f"{r['specialist_reward']:.3f} | {r['drop_mean']:+.3f} ± {r['drop_std']:.3f} | "
+              f"{'PASS' if r['pass'] else 'FAIL'} |" for r in s["compete"]]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(workdir: str, result: dict, command: str) -> str:
+    from opd_jax.recipes.base_model import _commit
+    meta = {"commit": _commit(), "command": command, "wall_s": result["wall_s"]}
+    summary = summarize(result["rows"])
+    with open(os.path.join(workdir, "results.json"), "w", encoding="utf-8") as f:
+        json.dump({**meta, "rows": result["rows"], "summary": summary}, f, indent=1,
+                  default=str)
+    md = report_md(summary, meta)
+    with open(os.path.join(workdir, "results.md"), "w", encoding="utf-8") as f:
+        f.write(md)
+    return md
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="runs/testbed")
+    p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    p.add_argument("--init", default="builtin:base")
+    p.add_argument("--eval-n", type=int, default=EVAL_N)
+    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--rl-steps", type=int, default=20)
+    args = p.parse_args(argv)
+    seeds = tuple(int(s) for s in args.seeds.split(","))
+    result = run(args.workdir, seeds, init=args.init, n=args.eval_n, sft_steps=args.sft_steps,
+                 rl_steps=args.rl_steps)
+    print(write_results(args.workdir, result,
+                        "python -m opd_jax.recipes.testbed " + " ".join(argv or sys.argv[1:])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
