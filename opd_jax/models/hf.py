@@ -188,6 +188,7 @@ def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None
     cfg = cfg.replace(param_dtype=pd, dtype=pd if dtype is None else jnp.dtype(dtype).name,
                       remat=cfg.remat if remat is None else remat)
     ckpt = SafetensorsFolder(path)
+    ckpt.check_finite()     # NaN/inf bytes fail here, naming the tensor (or skip: env)
     graphdef, abs_state = _abstract_model(cfg)
     flat = list(nnx.to_flat_state(abs_state))
     layouts = [_layout(p, cfg) for p, _ in flat]

@@ -26,22 +26,67 @@ INDEX = "model.safetensors.index.json"
 
 
 def _read_file(path: str) -> dict[str, np.ndarray]:
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
+        if size < 8 or n > size - 8:
+            raise ValueError(f"{path}: not a safetensors file (truncated: {size} bytes, "
+                             f"header length {n if size >= 8 else '?'})")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: the safetensors header is not valid JSON ({e}); "
+                             f"the file is corrupt or not safetensors") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the safetensors header is not a JSON object")
     header.pop("__metadata__", None)
     if not header:
         return {}
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
     for name, info in header.items():
+        if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+            raise ValueError(f"tensor {name!r} in {path}: header entry {info!r:.80} needs "
+                             f"dtype, shape and data_offsets")
         if info["dtype"] not in _DTYPES:
             raise ValueError(f"tensor {name!r} in {path} has dtype {info['dtype']}; "
                              f"expected one of {sorted(_DTYPES)}")
         start, end = info["data_offsets"]
+        nbytes = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(
+            _DTYPES[info["dtype"]]).itemsize
+        if not 0 <= start <= end <= size - 8 - n or end - start != nbytes:
+            raise ValueError(f"tensor {name!r} in {path}: bytes [{start}, {end}) do not hold "
+                             f"a {info['dtype']} {info['shape']} tensor ({nbytes} bytes) "
+                             f"inside the file's {size - 8 - n} data bytes; the file is "
+                             f"truncated or corrupt")
         raw = mm[8 + n + start: 8 + n + end]
         out[name] = raw.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
     return out
+
+
+SKIP_FINITE_ENV = "OPD_JAX_SKIP_FINITE_CHECK"
+
+
+def check_finite(tensors: Mapping[str, np.ndarray], where: str, *,
+                 chunk_bytes: int = 64 << 20) -> None:
+    """Raise ValueError naming the first floating tensor of `tensors` holding a NaN or inf.
+
+    Reads every tensor once, in chunks (memory-mapped files stay lazy). Skipped when the
+    environment variable ``OPD_JAX_SKIP_FINITE_CHECK=1`` is set (for speed)."""
+    if os.environ.get(SKIP_FINITE_ENV, "") not in ("", "0"):
+        return
+    for name, arr in tensors.items():
+        if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != ml_dtypes.bfloat16:
+            continue
+        flat = arr.reshape(-1)
+        step = max(1, chunk_bytes // max(arr.dtype.itemsize, 1))
+        for i in range(0, flat.size, step):
+            block = np.asarray(flat[i:i + step], np.float32)
+            if not np.isfinite(block).all():
+                j = i + int(np.argmin(np.isfinite(block)))
+                raise ValueError(f"tensor {name!r} in {where} holds a non-finite value "
+                                 f"({block[j - i]} at flat index {j}); the weights are "
+                                 f"corrupt ({SKIP_FINITE_ENV}=1 skips this check)")
 
 
 class SafetensorsFolder(Mapping):
@@ -65,6 +110,10 @@ class SafetensorsFolder(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         return self._tensors[name]
+
+    def check_finite(self) -> None:
+        """Raise naming the first tensor with a NaN or inf (see `check_finite`)."""
+        check_finite(self, self.folder)
 
     def __iter__(self):
         return iter(self._tensors)
