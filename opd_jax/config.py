@@ -7,7 +7,9 @@
 * ``--config.a.b=value`` — overrides; the value is parsed as a Python literal (falling back to
   a string) and must match the type already there (ints widen to floats). Unknown keys are
   errors: configs are locked, so a typo cannot silently add a field. A dict literal
-  replaces a whole section (for maps such as ``teachers.paths``).
+  replaces a whole map section (``teachers.paths``, ``tasks.families``: only strings and
+  sub-maps); for any other section (``optim``) it sets the keys it names, each checked
+  like an override.
 
 Every problem raises :class:`ConfigError` with a one-line message naming the key or file.
 """
@@ -86,10 +88,15 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
         raise ConfigError(f"unknown config key {dotted!r}{_suggest(leaf, node)}")
     old = node[leaf]
     if isinstance(old, ml_collections.ConfigDict):
-        if isinstance(value, dict):     # maps (teacher paths, task families) are replaced whole
+        if isinstance(value, dict) and _is_map(old):
+            # maps (teacher paths, task families) are replaced whole
             with node.unlocked():
                 node[leaf] = ml_collections.ConfigDict(value)
             node[leaf].lock()
+            return
+        if isinstance(value, dict):     # a structured section: each key set and checked
+            for k, v in value.items():
+                set_value(cfg, f"{dotted}.{k}", v)
             return
         raise ConfigError(f"config key {dotted!r} is a section; set one of its keys "
                           f"({', '.join(sorted(old.keys()))}) or give a dict to replace it")
@@ -99,6 +106,13 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
             node[leaf] = value
     except TypeError as e:
         raise ConfigError(f"config key {dotted!r}: {e}") from None
+
+
+def _is_map(section: ml_collections.ConfigDict) -> bool:
+    """A map (keys are data: teacher paths, task families, routing tables) is empty or holds
+    only strings and sub-maps; any other section is structured (its keys are fields)."""
+    return all(isinstance(v, str) or (isinstance(v, ml_collections.ConfigDict) and _is_map(v))
+               for v in section.values())
 
 
 def _child(node, part, where):

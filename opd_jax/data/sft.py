@@ -84,22 +84,100 @@ def _tokenize_chat(messages: Sequence[Mapping[str, Any]], tokenizer) -> dict:
     return {"tokens": np.asarray(ids, np.int32), "loss_mask": np.asarray(mask, np.int32)}
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Read a JSONL file of examples; errors name the file and line."""
+def read_jsonl(path: str | os.PathLike, *, with_lines: bool = False
+               ) -> list[dict] | tuple[list[dict], list[int]]:
+    """Read a JSONL file of examples; errors name the file and line. ``with_lines``: also
+    return each example's line number."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"JSONL data file {str(path)!r} does not exist")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    if not os.path.isfile(path):
+        raise ValueError(f"JSONL data file {str(path)!r} is not a file")
+    out, lines = [], []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{n}: not UTF-8 (byte {raw[e.start:e.start + 1]!r} "
+                                 f"at column {e.start + 1}); expected UTF-8 JSON lines"
+                                 ) from None
             if not line.strip():
                 continue
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+            lines.append(n)
     if not out:
         raise ValueError(f"JSONL data file {str(path)!r} holds no examples")
-    return out
+    return (out, lines) if with_lines else out
+
+
+def check_example(ex: Any) -> None:
+    """Raise ValueError unless `ex` has one of the two example forms (module docstring)."""
+    if not isinstance(ex, Mapping):
+        raise ValueError(f"expected a JSON object, got {type(ex).__name__}")
+    if "messages" in ex:
+        msgs = ex["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError("'messages' must be a non-empty list")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] needs a string 'role' and 'content'; got "
+                                 f"{m!r:.80}")
+        return
+    missing = [k for k in ("prompt", "response") if k not in ex]
+    if missing:
+        raise ValueError(f"missing {' and '.join(repr(k) for k in missing)}: an example needs "
+                         f"'prompt' and 'response', or 'messages'; got keys {sorted(ex)}")
+    if not isinstance(ex["prompt"], str):
+        raise ValueError(f"'prompt' must be a string, got {type(ex['prompt']).__name__}")
+    pieces = ex["response"]
+    if isinstance(pieces, str):
+        return
+    if not isinstance(pieces, list) or not all(
+            isinstance(p, Mapping) and isinstance(p.get("text"), str) for p in pieces):
+        raise ValueError("'response' must be a string or a list of {\"text\": str, "
+                         "\"train\": bool} pieces")
+
+
+def scan_examples(examples: Sequence[Any], tokenizer, *, seq_len: int, source: str,
+                  lines: Sequence[int] | None = None, packing: bool = False,
+                  batch_size: int = 1) -> list[dict]:
+    """Check and tokenize every example once, before training: the first bad record fails
+    naming ``source:line``; examples with no trained token within the first `seq_len`
+    targets (a prompt longer than the row) are dropped with a warning giving the counts;
+    nothing trainable left is an error."""
+    where = (lambda i: f"{source}:{lines[i]}") if lines else (lambda i: f"{source} record {i}")
+    kept, dropped, truncated = [], [], 0
+    for i, ex in enumerate(examples):
+        try:
+            check_example(ex)
+            tok = tokenize_example(ex, tokenizer)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{where(i)}: {e}") from None
+        if int(tok["loss_mask"][1:seq_len + 1].sum()) == 0:
+            dropped.append(i)
+            continue
+        truncated += len(tok["tokens"]) - 1 > seq_len
+        kept.append(ex)
+    n = len(examples)
+    if not kept:
+        raise ValueError(f"{source}: nothing to train on: none of its {n} examples has a "
+                         f"response token within data.seq_len={seq_len} tokens (e.g. "
+                         f"{where(dropped[0])}); raise data.seq_len or shorten the prompts")
+    if dropped or truncated:
+        import warnings
+        warnings.warn(f"{source}: {len(dropped)} of {n} examples dropped (no response token "
+                      f"within data.seq_len={seq_len}"
+                      + (f", first {where(dropped[0])}" if dropped else "")
+                      + f"); {truncated} truncated to {seq_len} tokens", RuntimeWarning,
+                      stacklevel=2)
+    if len(kept) < batch_size and not packing:
+        raise ValueError(f"{source}: {len(kept)} trainable examples (of {n}; {len(dropped)} "
+                         f"dropped for length) are fewer than data.batch_size={batch_size}")
+    return kept
 
 
 def pad_example(ex: Mapping[str, np.ndarray], seq_len: int) -> dict:

@@ -182,6 +182,11 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens, temperature=1.0
     need = P + max(max_new) + 1
     max_len = bucket(need, 128) if max_len is None else int(max_len)
     longest = max(len(p) for p in prompts)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and longest + max(max_new) > max_pos:
+        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens="
+                         f"{max(max_new)} exceeds the model's max_position_embeddings="
+                         f"{max_pos}; expected at most {max_pos} positions")
     if longest + 1 > max_len:
         raise ValueError(f"the longest prompt has {longest} tokens; it does not fit a cache "
                          f"of max_len={max_len} (need max_len >= prompt length + 1)")

@@ -2,8 +2,10 @@
 
 A key (any string; the recipes use ``"domain/effort"``) maps to a :class:`TeacherSpec`: a
 Hugging Face folder (config.json + safetensors) or an opd_jax run (its Orbax checkpoints).
-Teachers may differ from the student in size but must share its vocabulary, which
-:meth:`TeacherBank.validate` checks from the configs alone, before any weights are read.
+Teachers may differ from the student in size but must share its vocabulary and tokenizer,
+which :meth:`TeacherBank.validate` checks from the configs alone, before any weights are
+read: the vocabulary size, and the tokenizer identity (`tokenizer_fingerprint`, recorded in
+every opd_jax checkpoint's meta, or read from an HF folder's tokenizer files).
 Loaded teachers live in an LRU cache bounded by count and/or bytes; loads and evictions are
 logged and counted (``bank.stats``).
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -60,6 +63,30 @@ class TeacherSpec:
             raise ValueError(f"checkpoint {self.path!r} has no model config in its metadata")
         return ModelConfig.from_dict(meta["model"])
 
+    def tokenizer_identity(self) -> tuple[str, str] | None:
+        """(description, fingerprint) of the tokenizer this checkpoint was trained with, or
+        None when it records none (an HF folder without tokenizer files)."""
+        if self.kind == "hf":
+            if not any(os.path.isfile(os.path.join(self.path, f))
+                       for f in ("tokenizer.json", "tokenizer_config.json")):
+                return None
+            from opd_jax.models import load_tokenizer
+            return self.path, tokenizer_fingerprint(load_tokenizer(self.path))
+        step_dir = ckpt_lib.latest_step_dir(self.path)
+        recorded = ckpt_lib.read_step_meta(step_dir).get("tokenizer")
+        if recorded:
+            return recorded["spec"], recorded["fingerprint"]
+        # Checkpoints written before the fingerprint: the run's config.json names it.
+        run_config = os.path.join(os.path.dirname(os.path.dirname(step_dir)), "config.json")
+        if not os.path.isfile(run_config):
+            return None
+        with open(run_config, encoding="utf-8") as f:
+            spec = json.load(f).get("tokenizer")
+        if spec != "synthetic" and not (isinstance(spec, str) and os.path.isdir(spec)):
+            return None
+        from opd_jax.trainers.builders import build_tokenizer
+        return spec, tokenizer_fingerprint(build_tokenizer(spec))
+
     def load(self) -> Transformer:
         if self.kind == "hf":
             return load_pretrained(self.path, dtype=self.dtype, remat=self.remat)
@@ -72,6 +99,29 @@ class TeacherSpec:
         graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
         params = ckpt_lib.restore_params(ckpt_lib.latest_step_dir(self.path), params)
         return nnx.merge(graphdef, params, rest)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of a tokenizer's identity: its whole vocabulary (token -> id) and its
+    special tokens. Two tokenizers of the same size but other tokens differ."""
+    vocab = sorted((int(i), t) for t, i in tokenizer.get_vocab().items())
+    special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def check_tokenizer(spec: TeacherSpec, tokenizer, tokenizer_spec: str, *, what: str) -> None:
+    """Raise unless `spec`'s recorded tokenizer is `tokenizer` (nothing recorded: accepted)."""
+    ident = spec.tokenizer_identity()
+    if ident is None:
+        return
+    theirs, fp = ident
+    ours = tokenizer_fingerprint(tokenizer)
+    if fp != ours:
+        raise ValueError(f"{what} {spec.path!r} was trained with tokenizer {theirs!r} "
+                         f"(fingerprint {fp}), but this run uses tokenizer {tokenizer_spec!r} "
+                         f"(fingerprint {ours}); their vocabularies differ, so token ids "
+                         f"would not mean the same text. Use the same tokenizer")
 
 
 def model_bytes(model: nnx.Module) -> int:
@@ -97,14 +147,18 @@ class TeacherBank:
     def keys(self) -> list[str]:
         return list(self.specs)
 
-    def validate(self, student_vocab: int) -> dict[str, ModelConfig]:
-        """Every teacher exists and shares the student's vocabulary (configs only)."""
+    def validate(self, student_vocab: int, tokenizer=None, tokenizer_spec: str = "?"
+                 ) -> dict[str, ModelConfig]:
+        """Every teacher exists and shares the student's vocabulary (configs only) and, given
+        the student's `tokenizer` (`tokenizer_spec`: its config value), its tokenizer."""
         configs = {}
         for key, spec in self.specs.items():
             cfg = spec.model_config()
             if cfg.vocab_size != student_vocab:
                 raise ValueError(f"teacher vocab {cfg.vocab_size} != student vocab "
                                  f"{student_vocab} (teacher {key!r} at {spec.path})")
+            if tokenizer is not None:
+                check_tokenizer(spec, tokenizer, tokenizer_spec, what=f"teacher {key!r} at")
             configs[key] = cfg
         return configs
 

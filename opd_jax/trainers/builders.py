@@ -1,5 +1,9 @@
-"""Build tokenizers, models and datasets from config sections (shared by every trainer)."""
+"""Build tokenizers, models and datasets from config sections (shared by every trainer),
+and the checks every trainer runs on its config before any work (`check_config`)."""
 from __future__ import annotations
+
+import math
+import warnings
 
 import ml_collections
 from flax import nnx
@@ -38,9 +42,80 @@ def setup(cfg: ml_collections.ConfigDict):
     rules = tuple(tuple(r) for r in cfg.mesh.rules)
     tokenizer = build_tokenizer(cfg.tokenizer)
     model_config = planned_model_config(cfg.model)
+    check_config(cfg, model_config)
     from opd_jax.models import check_tokenizer_fits
     check_tokenizer_fits(tokenizer, model_config)
+    if cfg.model.init_from:
+        from opd_jax.teachers.bank import TeacherSpec, check_tokenizer
+        check_tokenizer(TeacherSpec(cfg.model.init_from), tokenizer, cfg.tokenizer,
+                        what="model.init_from")
     return mesh, rules, tokenizer, model_config
+
+
+def tokenizer_meta(spec: str, tokenizer) -> dict:
+    """The tokenizer identity recorded in every checkpoint's meta."""
+    from opd_jax.teachers.bank import tokenizer_fingerprint
+    return {"spec": str(spec), "fingerprint": tokenizer_fingerprint(tokenizer)}
+
+
+def _need(cond: bool, key: str, value, expected: str) -> None:
+    if not cond:
+        raise ValueError(f"{key}={value!r}: expected {expected}")
+
+
+def check_config(cfg: ml_collections.ConfigDict, model_config) -> None:
+    """Numeric ranges and sequence lengths of a trainer config (SFT, GRPO and OPD), checked
+    before anything is built; a warning when RL samples greedily."""
+    lr = cfg.optim.lr
+    _need(isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0, "optim.lr", lr,
+          "a finite number > 0")
+    _need(cfg.optim.grad_accum >= 1, "optim.grad_accum", cfg.optim.grad_accum, "an int >= 1")
+    _need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps", cfg.optim.warmup_steps,
+          "an int >= 0")
+    t = cfg.train
+    for key in ("steps", "ckpt_every", "log_every", "keep_checkpoints"):
+        if key in t:
+            _need(t[key] >= 1, f"train.{key}", t[key], "an int >= 1")
+    _need(t.get("max_bad_steps", 0) >= 0, "train.max_bad_steps", t.get("max_bad_steps"),
+          "an int >= 0 (0: stop at the first non-finite step)")
+    max_pos = model_config.max_position_embeddings
+    if "data" in cfg:       # SFT
+        d = cfg.data
+        _need(d.batch_size >= 1, "data.batch_size", d.batch_size, "an int >= 1")
+        _need(d.seq_len >= 1, "data.seq_len", d.seq_len, "an int >= 1")
+        check_positions(d.seq_len, model_config, "data.seq_len")
+        _need(d.batch_size % cfg.optim.grad_accum == 0, "data.batch_size", d.batch_size,
+              f"a multiple of optim.grad_accum={cfg.optim.grad_accum}")
+    if "rollout" in cfg:    # GRPO / OPD
+        r = cfg.rollout
+        for key in ("prompts_per_step", "group_size"):
+            _need(r[key] >= 1, f"rollout.{key}", r[key], "an int >= 1")
+        _need(r.seq_len >= 0, "rollout.seq_len", r.seq_len, "an int >= 0 (0: bucket per batch)")
+        if r.seq_len:
+            check_positions(r.seq_len, model_config, "rollout.seq_len")
+        for name, sp in (("rollout.sampling", r.sampling),
+                         ("eval.sampling", cfg.eval.sampling if "eval" in cfg else None)):
+            if sp is None:
+                continue
+            _need(sp.max_new_tokens >= 1, f"{name}.max_new_tokens", sp.max_new_tokens,
+                  "an int >= 1 (nothing would be sampled, so nothing trained)")
+            _need(sp.max_new_tokens < max_pos, f"{name}.max_new_tokens", sp.max_new_tokens,
+                  f"fewer than model.max_position_embeddings={max_pos}")
+            _need(sp.temperature >= 0, f"{name}.temperature", sp.temperature, "a number >= 0")
+            _need(sp.max_turns >= 1, f"{name}.max_turns", sp.max_turns, "an int >= 1")
+        if r.sampling.temperature == 0:
+            warnings.warn("rollout.sampling.temperature=0: RL samples greedily, so the "
+                          "sampler's log-probs are 0 and IcePop/TIS mask (nearly) every token "
+                          "and the gradient vanishes; use a temperature > 0", RuntimeWarning,
+                          stacklevel=3)
+
+
+def check_positions(length: int, model_config, what: str) -> None:
+    """Raise unless `length` tokens fit the model's ``max_position_embeddings``."""
+    max_pos = model_config.max_position_embeddings
+    if length > max_pos:
+        raise ValueError(f"{what}={length} tokens exceed the model's "
+                         f"max_position_embeddings={max_pos}; expected at most {max_pos}")
 
 
 def _remat(m: ml_collections.ConfigDict) -> str:
@@ -77,7 +152,7 @@ def build_model(m: ml_collections.ConfigDict, mesh: Mesh, rules, *, seed: int) -
 
 
 def build_sft_dataset(d: ml_collections.ConfigDict, tokenizer):
-    from opd_jax.data.sft import make_sft_dataset, read_jsonl
+    from opd_jax.data.sft import make_sft_dataset, read_jsonl, scan_examples
     from opd_jax.data.synthetic import synthetic_examples
     if d.source == "synthetic":
         examples = synthetic_examples(d.task, num_examples=d.num_examples, seed=d.seed,
@@ -91,7 +166,10 @@ def build_sft_dataset(d: ml_collections.ConfigDict, tokenizer):
     elif d.source == "jsonl":
         if not d.path:
             raise ValueError("data.source='jsonl' needs --config.data.path=FILE.jsonl")
-        examples = read_jsonl(d.path)
+        # Every record checked (file:line) and tokenized once; untrainable ones dropped.
+        records, lines = read_jsonl(d.path, with_lines=True)
+        examples = scan_examples(records, tokenizer, seq_len=d.seq_len, source=d.path,
+                                 lines=lines, packing=d.packing, batch_size=d.batch_size)
     else:
         raise ValueError(f"data.source {d.source!r}: expected 'synthetic', 'tasks', 'corpus' "
                          f"or 'jsonl'")
