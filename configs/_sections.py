@@ -69,6 +69,7 @@ def policy_base(init_from: str = "") -> ml_collections.ConfigDict:
         adv_scale="std", dynamic_sampling=False, ppo_epochs=1, minibatches=1))
     c.optim = optim_config(lr=1e-4, warmup_steps=0, schedule="constant", weight_decay=0.0)
     c.train = ml_collections.ConfigDict(dict(steps=30, log_every=1, ckpt_every=10,
-                                             keep_checkpoints=2))
+                                             keep_checkpoints=2,
+                                             max_bad_steps=0))  # >0: skip that many NaN steps
     c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1), rules=DEFAULT_RULES))
     return c

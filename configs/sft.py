@@ -45,6 +45,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c.optim = optim_config()
     c.train = ml_collections.ConfigDict(dict(
         steps=200, log_every=10, ckpt_every=50, keep_checkpoints=2,
+        max_bad_steps=0,                 # >0: skip (and count) up to N non-finite steps
     ))
     c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1), rules=DEFAULT_RULES))
 

@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output folder (build-qwen-tokenizer; eval: table JSON/CSV)")
     p.add_argument("--checkpoint", help="eval: an HF folder or an opd_jax workdir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume_with_changes", action="store_true",
+                   help="resume a workdir under a config that differs from its config.json "
+                        "(the change is recorded in config_changes.jsonl; docs/robustness.md)")
     return p
 
 
@@ -78,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "sft":
             from opd_jax.trainers.run_sft import train_sft
-            out = train_sft(cfg, args.workdir, progress=not args.no_progress)
+            out = train_sft(cfg, args.workdir, progress=not args.no_progress,
+                            resume_with_changes=args.resume_with_changes)
             print(f"sft done: step {out['step']} loss {out['loss']:.4f}; "
                   f"checkpoint {out['checkpoint']}")
         elif args.command in ("grpo", "opd"):
@@ -86,12 +90,13 @@ def main(argv: list[str] | None = None) -> int:
             if (cfg.objective.name == "grpo") != (args.command == "grpo"):
                 raise ConfigError(f"config objective {cfg.objective.name!r} does not match "
                                   f"command {args.command!r}")
-            out = train_policy(cfg, args.workdir, progress=not args.no_progress)
+            out = train_policy(cfg, args.workdir, progress=not args.no_progress,
+                               resume_with_changes=args.resume_with_changes)
             last = out["history"][-1] if out["history"] else {}
             print(f"{args.command} done: iteration {last.get('step')} reward "
                   f"{last.get('reward/mean', float('nan')):.3f}; checkpoints {out['checkpoint']}")
         return 0
-    except (ConfigError, FileNotFoundError, ValueError, KeyError) as e:
+    except (ConfigError, OSError, ValueError, KeyError) as e:   # OSError: storage, names the file
         if os.environ.get("OPD_JAX_DEBUG"):
             raise
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e

@@ -34,10 +34,10 @@ from opd_jax.checkpoint import abstract_like
 from opd_jax.teachers import TeacherBank, check_routing, teacher_weights
 from opd_jax.trainers import builders, evaluate
 from opd_jax.trainers.episodes import SamplingConfig, cell_of, encode, play
-from opd_jax.trainers.metrics import MetricsWriter
+from opd_jax.trainers.metrics import DivergenceGuard, MetricsWriter
 from opd_jax.trainers.objectives import make_objective
 from opd_jax.trainers.policy import batch_logprobs, policy_step, teacher_outputs
-from opd_jax.trainers.run_sft import check_workdir
+from opd_jax.trainers.run_sft import open_workdir
 from opd_jax.trainers.sequences import align_to_student, bucket, build_sequences
 from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
 
@@ -142,7 +142,8 @@ class _TeacherScorer:
         return out
 
 
-def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True) -> dict:
+def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
+                 resume_with_changes: bool = False) -> dict:
     # Everything that needs no weights is checked before anything is built or written.
     mesh, rules, tokenizer, model_config = builders.setup(cfg)
     objective = make_objective(cfg.objective.name, **dict(cfg.objective.options))
@@ -157,9 +158,9 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                                      table=dict(cfg.teachers.table),
                                      weights=cfg.teachers.weights.to_dict(),
                                      single_teacher=cfg.objective.name != "deepseek_full_vocab")
-        bank.validate(model_config.vocab_size)
+        bank.validate(model_config.vocab_size, tokenizer, cfg.tokenizer)
     model_meta = model_config.to_dict()
-    ckpt = check_workdir(workdir, model_meta)
+    ckpt = open_workdir(workdir, cfg, model_meta, resume_with_changes=resume_with_changes)
     model = builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)
 
     tasks_ds = task_dataset(cfg.tasks, cfg.rollout.prompts_per_step)
@@ -176,10 +177,8 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     if ckpt.latest_step() is not None:
         state, _ = ckpt.restore(None, abstract_like(state), task_iter)
         start = int(state.step) // (cfg.rl.ppo_epochs * cfg.rl.minibatches)
-    elif jax.process_index() == 0:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-            json.dump(cfg.to_dict(), f, indent=2, default=str)
+    guard = DivergenceGuard(cfg.train.get("max_bad_steps", 0), unit="optimizer step",
+                            lr=cfg.optim.lr)
 
     rep = sh.replicated(mesh)
     multi = jax.process_count() > 1     # rollout rows split over processes
@@ -189,7 +188,8 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
         if n_teachers not in step_fns:
             step_fns[n_teachers] = compile_step(
                 functools.partial(policy_step, graphdef=graphdef, tx=tx, objective=objective),
-                shardings, mesh, extra_shardings=((rep,) * n_teachers,))
+                shardings, mesh, extra_shardings=((rep,) * n_teachers,),
+                skip_nonfinite=guard.max_bad_steps > 0)
         return step_fns[n_teachers]
 
     logp_fn = jax.jit(functools.partial(batch_logprobs, graphdef=graphdef))
@@ -219,7 +219,8 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
         return rows, heldout_metrics(rows, cell_keys)
     sampling = SamplingConfig(**dict(cfg.rollout.sampling))
     writer = MetricsWriter(workdir)
-    meta = {"model": model_meta, "kind": cfg.objective.name}
+    meta = {"model": model_meta, "kind": cfg.objective.name,
+            "tokenizer": builders.tokenizer_meta(cfg.tokenizer, tokenizer)}
     history, eval_rows = [], None
     bar = tqdm(range(start, steps), initial=start, total=steps, desc=cfg.objective.name,
                disable=not progress or jax.process_index() != 0, dynamic_ncols=True)
@@ -238,6 +239,8 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                                    response_masks=[e.response_mask for e in episodes],
                                    sampler_logps=[e.sampler_logp for e in episodes],
                                    seq_len=cfg.rollout.seq_len or None)
+            builders.check_positions(max(len(e.prompt_ids) + len(e.response_ids)
+                                         for e in episodes), model_config, "rollout episodes")
             metrics = _reward_metrics(episodes)
             batch = {k: v for k, v in seqs.items() if k not in ("prompt_len", "response_len")}
             rewards_BxG = rewards_B.reshape(-1, G)
@@ -287,6 +290,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                     idx = np.sort(perm[k * mb:(k + 1) * mb])
                     sub = sh.shard_batch(jax.tree.map(lambda x: x[idx], batch), mesh, rules)
                     state, m = step_fn(len(teachers_W))(state, sub, teachers_W)
+                    guard.check(int(state.step), m, last_checkpoint=ckpt.latest_step())
             m = {k: float(v) for k, v in jax.device_get(m).items()}
             if is_opd:   # slot s of this iteration -> the teacher's key, stable across steps
                 m = {_teacher_name(k, order): v for k, v in m.items()}

@@ -81,9 +81,31 @@ def place_state(state: TrainState, mesh: Mesh, rules=sh.DEFAULT_RULES
     return sh.place(state, shardings), shardings
 
 
+def guard_nonfinite(step_fn: Callable, *, skip: bool = False) -> Callable:
+    """`step_fn` with a ``nonfinite`` metric: 1.0 when its loss or grad_norm is NaN or inf.
+
+    With ``skip`` such a step keeps the previous params, model variables and optimizer
+    state (only ``step`` advances), so a bounded number of bad batches can be stepped over
+    (`opd_jax.trainers.metrics.DivergenceGuard` counts them and stops past the bound)."""
+    def guarded(state, batch, *extra):
+        new, metrics = step_fn(state, batch, *extra)
+        bad = ~(jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"]))
+        if skip:
+            keep = lambda n, o: jnp.where(bad, o, n)  # noqa: E731
+            new = new.replace(params=jax.tree.map(keep, new.params, state.params),
+                              rest=jax.tree.map(keep, new.rest, state.rest),
+                              opt_state=jax.tree.map(keep, new.opt_state, state.opt_state))
+        return new, dict(metrics, nonfinite=bad.astype(jnp.float32))
+    return guarded
+
+
 def compile_step(step_fn: Callable, state_shardings_: Any, mesh: Mesh, *,
-                 extra_shardings: tuple = (), donate: bool = True) -> Callable:
+                 extra_shardings: tuple = (), donate: bool = True,
+                 skip_nonfinite: bool = False) -> Callable:
     """jit `step_fn(state, batch, *extra)` with shardings and state donation (the one jit site).
+
+    Every step reports ``nonfinite`` (see `guard_nonfinite`; ``skip_nonfinite`` keeps the
+    previous state on such a step).
 
     Batch leaves are [B, ...] arrays sharded over the `batch` logical axis; `extra` arguments
     (e.g. teacher unembeddings) take `extra_shardings`; metrics come back replicated.
@@ -94,7 +116,7 @@ def compile_step(step_fn: Callable, state_shardings_: Any, mesh: Mesh, *,
     ``.jitted`` of the returned callable.
     """
     batch_sharding = NamedSharding(mesh, sh.logical_to_spec(("batch",), mesh=mesh))
-    jitted = jax.jit(step_fn,
+    jitted = jax.jit(guard_nonfinite(step_fn, skip=skip_nonfinite),
                      in_shardings=(state_shardings_, batch_sharding, *extra_shardings),
                      out_shardings=(state_shardings_, NamedSharding(mesh, P())),
                      donate_argnums=(0,) if donate else ())
