@@ -68,15 +68,17 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def config_diff(saved: dict, cfg: ml_collections.ConfigDict) -> dict[str, tuple]:
+def config_diff(saved: dict, cfg: ml_collections.ConfigDict, *,
+                include_resumable: bool = False) -> dict[str, tuple]:
     """{dotted key: (saved value, new value)} of the keys both configs have and that
-    differ, outside RESUMABLE (keys only one side has are framework versions, ignored)."""
+    differ, outside RESUMABLE unless `include_resumable` (keys only one side has are
+    framework versions, ignored)."""
     old = _flat(saved)
     new = _flat(json.loads(json.dumps(cfg.to_dict(), default=str)))
     resumable = lambda k: any(k == r or (r.endswith(".") and k.startswith(r))  # noqa: E731
                               for r in RESUMABLE)
     return {k: (old[k], new[k]) for k in sorted(set(old) & set(new))
-            if old[k] != new[k] and not resumable(k)}
+            if old[k] != new[k] and (include_resumable or not resumable(k))}
 
 
 def _write_json(path: str, obj) -> None:
@@ -93,8 +95,9 @@ def open_workdir(workdir: str, cfg: ml_collections.ConfigDict, model_meta: dict,
     Before any weights are built: the workdir is a writable folder, no other run holds it,
     its checkpoints are of this model (`check_workdir`), and a resumed run's config equals
     the saved ``config.json`` outside `RESUMABLE` fields. A differing config is refused with
-    the diff unless `resume_with_changes`, which appends the change to
-    ``config_changes.jsonl`` and updates ``config.json``. A fresh run writes ``config.json``.
+    the diff unless `resume_with_changes`. Any accepted change (resumable ones too) is
+    appended to ``config_changes.jsonl`` and ``config.json`` rewritten, so it always holds
+    the config the run is under. A fresh run writes ``config.json``.
     """
     lead = jax.process_index() == 0
     lock = None
@@ -105,9 +108,12 @@ def open_workdir(workdir: str, cfg: ml_collections.ConfigDict, model_meta: dict,
         ckpt = check_workdir(workdir, model_meta, keep=cfg.train.get("keep_checkpoints", 2))
         path = os.path.join(workdir, "config.json")
         latest = ckpt.latest_step()
+        changes = {}
         if latest is not None and os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
-                diff = config_diff(json.load(f), cfg)
+                saved = json.load(f)
+            diff = config_diff(saved, cfg)
+            changes = config_diff(saved, cfg, include_resumable=True)
             if diff and not resume_with_changes:
                 lines = "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in
                                   ((k, *v) for k, v in diff.items()))
@@ -116,15 +122,15 @@ def open_workdir(workdir: str, cfg: ml_collections.ConfigDict, model_meta: dict,
                     f"config: {lines}. Resume with the saved config, use a new --workdir, or "
                     f"pass --resume_with_changes to continue under the new values (resumable "
                     f"without it: {', '.join(RESUMABLE)})")
-            if diff and lead:
+            if changes and lead:     # resumable ones too: config.json is the run's config
                 with open(os.path.join(workdir, "config_changes.jsonl"), "a",
                           encoding="utf-8") as f:
                     f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                         "from_step": latest,
                                         "changes": {k: {"from": a, "to": b}
-                                                    for k, (a, b) in diff.items()}},
+                                                    for k, (a, b) in changes.items()}},
                                        default=str) + "\n")
-        if lead and (latest is None or resume_with_changes or not os.path.isfile(path)):
+        if lead and (latest is None or changes or not os.path.isfile(path)):
             _write_json(path, cfg.to_dict())
     except BaseException:
         if lock is not None:

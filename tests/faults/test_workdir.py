@@ -46,11 +46,20 @@ def test_resumable_fields_and_recorded_changes(run_copy):
     assert out["step"] == 10
     (change,) = [json.loads(x) for x in open(run_copy / "config_changes.jsonl")]
     assert change["from_step"] == 8
-    assert change["changes"] == {"optim.lr": {"from": 0.003, "to": 0.001}}
+    assert change["changes"] == {"optim.lr": {"from": 0.003, "to": 0.001},
+                                 "train.steps": {"from": 8, "to": 10}}
     assert json.load(open(run_copy / "config.json"))["optim"]["lr"] == 1e-3
-    # ... so resuming again under the new config needs no flag.
+    # ... so resuming again under the new config needs no flag and records nothing; a
+    # resumable change (more steps) is recorded without the flag.
     assert train_sft(sft_cfg("--config.train.steps=10", "--config.optim.lr=1e-3"),
                      str(run_copy), progress=False)["step"] == 10
+    assert len(open(run_copy / "config_changes.jsonl").readlines()) == 1
+    assert train_sft(sft_cfg("--config.train.steps=11", "--config.optim.lr=1e-3"),
+                     str(run_copy), progress=False)["step"] == 11
+    last = json.loads(open(run_copy / "config_changes.jsonl").readlines()[-1])
+    assert last["from_step"] == 10 and last["changes"] == {"train.steps": {"from": 10,
+                                                                          "to": 11}}
+    assert json.load(open(run_copy / "config.json"))["train"]["steps"] == 11
 
 
 def _hold(workdir, holder):
