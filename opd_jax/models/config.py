@@ -13,6 +13,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from opd_jax.models.rope import check_rope_scaling
+
 ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 # Rematerialisation (gradient checkpointing) of each decoder layer in the backward pass:
@@ -60,8 +62,17 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: str = "none"
+    # RoPE scaling (see opd_jax/models/rope.py): None for plain RoPE, else a dict with a
+    # "rope_type" and its fields; held as sorted (key, value) pairs so the config hashes.
+    rope_scaling: Any = None
 
     def __post_init__(self):
+        rope = self.rope_scaling
+        if isinstance(rope, (tuple, list)):
+            rope = dict(rope)
+        rope = check_rope_scaling(rope)
+        object.__setattr__(self, "rope_scaling",
+                           None if rope is None else tuple(sorted(rope.items())))
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r} is not supported; expected one of {ARCHS}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -84,6 +95,11 @@ class ModelConfig:
                              f"expected positive numbers")
 
     # Resolved family defaults.
+    @property
+    def rope(self) -> dict[str, Any] | None:
+        """The rope scaling as a dict (None for plain RoPE)."""
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
     @property
     def use_qkv_bias(self) -> bool:
         return self.arch == "qwen2" if self.qkv_bias is None else bool(self.qkv_bias)
@@ -115,7 +131,7 @@ class ModelConfig:
         return self.num_layers * layer + embed + d
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "rope_scaling": self.rope}
 
     def architecture(self) -> dict[str, Any]:
         """`to_dict` without dtype, param_dtype and EXECUTION_FIELDS: the fields two models

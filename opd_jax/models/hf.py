@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from opd_jax.models.config import ModelConfig
+from opd_jax.models.rope import check_rope_scaling
 from opd_jax.models.safetensors_io import SafetensorsFolder, write_folder
 from opd_jax.models.transformer import Transformer
 
@@ -39,11 +40,7 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
         raise ValueError(f"unsupported architecture in config.json: model_type="
                          f"{hf.get('model_type')!r}, architectures={hf.get('architectures')}; "
                          f"supported: {_SUPPORTED}")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} in config.json is not supported; "
-                         f"expected 'default'")
+    rope = _rope_from_hf(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported; expected 'silu'")
     if hf.get("mlp_bias", False):
@@ -58,7 +55,8 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
         intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0))),
+        rope_theta=float(rope.pop("rope_theta", None) or hf.get("rope_theta") or 10_000.0),
+        rope_scaling=check_rope_scaling(rope) if rope else None,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=True if arch == "qwen2" else bool(hf.get("attention_bias", False)),
@@ -66,6 +64,41 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> ModelConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         dtype=dtype, param_dtype=dtype)
     return ModelConfig(**{**fields, **overrides})
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The rope dict of config.json (rope_theta included): `rope_parameters` (transformers
+    5) or `rope_scaling` (older), "type" read as "rope_type"; both present must agree."""
+    found = {}
+    for key in ("rope_parameters", "rope_scaling"):
+        value = hf.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise ValueError(f"config.json {key}={value!r}: expected a dict or null")
+        value = dict(value)
+        if "type" in value:
+            kind = value.pop("type")
+            if value.setdefault("rope_type", kind) != kind:
+                raise ValueError(f"config.json {key} has type={kind!r} and rope_type="
+                                 f"{value['rope_type']!r}; expected one of them or equal")
+        if value.get("rope_theta") is None:
+            value.pop("rope_theta", None)
+        found[key] = value
+    if len(found) == 2:
+        a, b = found["rope_parameters"], found["rope_scaling"]
+        clash = {k: (a[k], b[k]) for k in set(a) & set(b) if a[k] != b[k]}
+        if clash:
+            raise ValueError(f"config.json rope_parameters and rope_scaling disagree on "
+                             f"{sorted(clash)}: (rope_parameters, rope_scaling) values {clash}")
+    rope = {**found.get("rope_scaling", {}), **found.get("rope_parameters", {})}
+    if rope and "rope_type" not in rope:
+        rope["rope_type"] = "default"
+    theta = rope.get("rope_theta")
+    if theta is not None and hf.get("rope_theta") is not None and theta != hf["rope_theta"]:
+        raise ValueError(f"config.json rope_theta={hf['rope_theta']!r} disagrees with the "
+                         f"rope dict's rope_theta={theta!r}")
+    return rope
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
@@ -81,7 +114,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden_act="silu",
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters={**(cfg.rope or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},
         rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings,
         dtype=cfg.param_dtype, torch_dtype=cfg.param_dtype, use_cache=True,
         initializer_range=0.02)

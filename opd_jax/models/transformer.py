@@ -27,6 +27,7 @@ from flax import nnx, struct
 from jax import lax
 
 from opd_jax.models.config import ModelConfig
+from opd_jax.models import rope as rope_lib
 
 F32 = jnp.float32
 _MASKED = -1e30  # finite: a fully masked row (padding) gives a uniform average, not NaN
@@ -93,13 +94,17 @@ class RMSNorm(nnx.Module):
         return (y * self.scale[...].astype(F32)).astype(dtype)
 
 
-def rope_cos_sin(positions_BxT, head_dim: int, theta: float):
-    """HF "rotate_half" RoPE tables: angle[b, t, i] = pos * theta^(-2i / Dh), i < Dh / 2,
-    repeated twice along the last axis. Returns fp32 cos, sin of shape [B, T, Dh]."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=F32) / head_dim))
+def rope_cos_sin(positions_BxT, head_dim: int, theta: float, rope=None,
+                 max_position_embeddings: int = 0):
+    """HF "rotate_half" RoPE tables: angle[b, t, i] = pos * inv_freq[i], i < Dh / 2,
+    repeated twice along the last axis (inv_freq[i] = theta^(-2i / Dh) for plain RoPE, the
+    scaled frequencies of `rope`, a ModelConfig.rope dict, otherwise; yarn also scales cos
+    and sin by its attention factor). Returns fp32 cos, sin of shape [B, T, Dh]."""
+    inv_freq = rope_lib.inv_freq(rope, head_dim, theta, max_position_embeddings, positions_BxT)
     angle_BxTxDh2 = positions_BxT.astype(F32)[..., None] * inv_freq
     angle_BxTxDh = jnp.concatenate([angle_BxTxDh2, angle_BxTxDh2], axis=-1)
-    return jnp.cos(angle_BxTxDh), jnp.sin(angle_BxTxDh)
+    scale = rope_lib.attention_factor(rope)
+    return jnp.cos(angle_BxTxDh) * scale, jnp.sin(angle_BxTxDh) * scale
 
 
 def apply_rope(x_BxTxNxDh, cos_BxTxDh, sin_BxTxDh):
@@ -322,7 +327,8 @@ class Transformer(nnx.Module):
             mask_BxTxS = (slot_S[None, None, :] <= q_slot_T[None, :, None]) & valid_BxS[:, None, :]
             kv_all = (cache.k, cache.v)
 
-        cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta, cfg.rope,
+                                cfg.max_position_embeddings)
         x_BxTxD = jnp.take(self.embed[...], tokens_BxT, axis=0).astype(dtype)
         block = _call_block
         if cache is None and cfg.remat != "none":
