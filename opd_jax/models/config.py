@@ -171,4 +171,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                      num_heads=32, tie_embeddings=True),
     "qwen3-8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_layers=36,
                      num_heads=32, tie_embeddings=False),
+    # The published Llama-3.2-1B config.json (rope_type llama3, 8192-token original window).
+    "llama3.2-1b": dict(arch="llama", vocab_size=128256, hidden_size=2048,
+                        intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                        head_dim=64, rope_theta=500_000.0, rms_norm_eps=1e-5,
+                        tie_embeddings=True, max_position_embeddings=131072,
+                        rope_scaling={"rope_type": "llama3", "factor": 32.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}),
 }

@@ -123,3 +123,16 @@ def test_bad_rope_fails_before_weights_are_read(tmp_path):
     # no safetensors at all: the config error must come first
     with pytest.raises(ValueError, match="rope_type='su'"):
         load_pretrained(tmp_path)
+
+
+def test_llama32_preset_matches_the_published_shape():
+    from opd_jax.models import ModelConfig, config_to_hf
+    cfg = ModelConfig.preset("llama3.2-1b")
+    assert cfg.num_params() == 1_235_814_400      # Llama-3.2-1B's published parameter count
+    hf = config_to_hf(cfg)
+    assert hf["rope_parameters"]["rope_type"] == "llama3"
+    back = config_from_hf(hf)   # HF spells the family defaults out (qkv_bias=False, ...)
+    assert back == cfg.replace(qkv_bias=False, qk_norm=False, dtype=back.dtype,
+                               param_dtype=back.param_dtype)
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert cfg.architecture() != cfg.replace(rope_scaling=None).architecture()
