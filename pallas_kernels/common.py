@@ -4,7 +4,7 @@ Legend: N tokens, D student hidden, E teacher hidden, V vocab, C vocab chunk,
 Bn/Bv/Bd token/vocab/hidden block sizes.
 
 Every backend (xla, triton, mosaic) computes the same per-token statistics in one
-pass over vocab tiles, with the online-softmax recurrence of DESIGN.md §3:
+pass over vocab tiles, with the online-softmax recurrence (docs/kernels.md):
   m <- max(m, max_v s_v);  l <- l e^(m_old - m) + sum_v e^(s_v - m)
   a <- a e^(m_old - m) + sum_v e^(s_v - m) (s_v - t_v)
 so that lse = m + log l and E_p[s - t] = a / l; the reverse KL is

@@ -36,7 +36,7 @@ class Layout:
         return (self.mesh, self.vocab_axis, self.token_axis) == (other.mesh, other.vocab_axis, other.token_axis)
 
     def shard_map(self, fn, in_specs, out_specs):
-        # pallas_call inside shard_map needs check_vma=False (DESIGN.md §5).
+        # pallas_call inside shard_map needs check_vma=False (see docs/kernels.md).
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 

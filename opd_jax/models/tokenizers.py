@@ -67,7 +67,11 @@ def synthetic_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
     Unknown characters map to <unk>. Example: "hi" -> [72, 89] (16 + ord(c) - 32).
     """
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    return char_tokenizer([chr(c) for c in range(32, 127)] + ["\n"])
+
+
+def char_tokenizer(chars) -> transformers.PreTrainedTokenizerFast:
+    """A char-level tokenizer: the synthetic specials, then `chars` in order."""
     vocab = {t: i for i, t in enumerate(SYNTHETIC_SPECIALS + tuple(chars))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")

@@ -3,12 +3,10 @@ recorded in every checkpoint), not only the vocabulary size."""
 import os
 
 import pytest
-import transformers
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
 from opd_jax.checkpoint import read_step_meta
 from opd_jax.config import load_config
-from opd_jax.models.tokenizers import SYNTHETIC_SPECIALS, synthetic_tokenizer
+from opd_jax.models.tokenizers import char_tokenizer, synthetic_tokenizer
 from opd_jax.teachers import TeacherBank
 from opd_jax.teachers.bank import tokenizer_fingerprint
 from opd_jax.trainers.run_policy import train_policy
@@ -20,16 +18,7 @@ from tests.faults.conftest import ROOT, sft_cfg
 def other_tokenizer(tmp_path_factory):
     """A char-level tokenizer of the synthetic one's size whose characters are in reverse
     order: every id means another character."""
-    chars = [chr(c) for c in range(126, 31, -1)] + ["\n"]
-    vocab = {t: i for i, t in enumerate(SYNTHETIC_SPECIALS + tuple(chars))}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t in SYNTHETIC_SPECIALS])
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-        unk_token="<unk>", chat_template=synthetic_tokenizer().chat_template)
+    fast = char_tokenizer([chr(c) for c in range(126, 31, -1)] + ["\n"])
     path = str(tmp_path_factory.mktemp("tok") / "reversed")
     fast.save_pretrained(path)
     assert len(fast) == len(synthetic_tokenizer())

@@ -1,4 +1,4 @@
-"""Independent float64 numpy implementations of the loss formulas (DESIGN.md §2).
+"""Independent float64 numpy implementations of the loss formulas (docs/losses.md).
 
 Written from the formulas, not from the package: loops over tokens where that reads
 closer to the math. Shape letters: B batch, T tokens, V vocab, K teachers, G group.
