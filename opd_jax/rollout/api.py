@@ -183,9 +183,11 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens, temperature=1.0
     max_len = bucket(need, 128) if max_len is None else int(max_len)
     longest = max(len(p) for p in prompts)
     max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos and longest + max(max_new) > max_pos:
-        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens="
-                         f"{max(max_new)} exceeds the model's max_position_embeddings="
+    over = [b for b, p in enumerate(prompts) if max_pos and len(p) + max_new[b] > max_pos]
+    if over:
+        b = over[0]
+        raise ValueError(f"prompt {b} ({len(prompts[b])} tokens) + max_new_tokens="
+                         f"{max_new[b]} exceeds the model's max_position_embeddings="
                          f"{max_pos}; expected at most {max_pos} positions")
     if longest + 1 > max_len:
         raise ValueError(f"the longest prompt has {longest} tokens; it does not fit a cache "

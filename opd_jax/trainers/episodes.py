@@ -68,14 +68,31 @@ def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig,
                 for t, e in zip(tasks, environments)]
     stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
     stop_strings = sorted({s for e in environments for s in getattr(e, "stop_strings", ())})
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     for turn in range(sampling.max_turns):
-        live = [i for i, ep in enumerate(episodes) if not ep.done]
+        # After the first turn a long multi-turn context may outgrow the model's positions:
+        # each turn samples at most the room left, and an episode with no room ends there
+        # (finish "context_full"; its reward is the last step's), as does one whose next
+        # observation would leave no room to answer. The first turn's prompt
+        # must fit with max_new_tokens (generate raises, naming it).
+        new_tokens = {}
+        for i, ep in enumerate(episodes):
+            if ep.done:
+                continue
+            room = sampling.max_new_tokens
+            if max_pos and turn > 0:
+                room = min(room, max_pos - len(ep.prompt_ids) - len(ep.response_ids))
+                if room < 1:
+                    ep.done, ep.finish = True, "context_full"
+                    continue
+            new_tokens[i] = room
+        live = list(new_tokens)
         if not live:
             break
         budgets = [envs.effort_spec(episodes[i].task).think_budget
                    if sampling.use_think_budget else None for i in live]
         res = generate(model, [episodes[i].prompt_ids + episodes[i].response_ids for i in live],
-                       max_new_tokens=sampling.max_new_tokens,
+                       max_new_tokens=[new_tokens[i] for i in live],
                        temperature=sampling.temperature, top_k=sampling.top_k,
                        top_p=sampling.top_p, stop_token_ids=stop_ids,
                        stop_strings=stop_strings, tokenizer=tokenizer, think_budget=budgets,
@@ -100,6 +117,9 @@ def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig,
                 ep.done = True
             elif step.observation:
                 obs = encode(tokenizer, step.observation)
+                if max_pos and len(ep.prompt_ids) + len(ep.response_ids) + len(obs) >= max_pos:
+                    ep.done, ep.finish = True, "context_full"   # no room for the next turn
+                    continue
                 ep.response_ids += obs
                 ep.response_mask += [0] * len(obs)
                 ep.sampler_logp += [0.0] * len(obs)
