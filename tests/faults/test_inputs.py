@@ -80,7 +80,7 @@ def test_generate_past_max_position_embeddings():
     cfg = ModelConfig(vocab_size=128, hidden_size=16, intermediate_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=32)
     model = random_model(cfg)
-    with pytest.raises(ValueError, match="the longest prompt \\(20 tokens\\) \\+ "
+    with pytest.raises(ValueError, match="prompt 0 \\(20 tokens\\) \\+ "
                                          "max_new_tokens=13 exceeds the model's "
                                          "max_position_embeddings=32"):
         generate(model, [[1] * 20, [1, 2]], max_new_tokens=13)
