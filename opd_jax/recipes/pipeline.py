@@ -5,7 +5,9 @@ starts from (`init_from`) or distills from (`teachers`: teacher key -> stage nam
 run in order, each in ``<workdir>/<stage name>``; a finished stage leaves ``done.json``
 (wall time, optimizer steps) and is skipped on the next call, an unfinished one resumes from
 its own checkpoints, so a killed experiment restarted with the same command loses at most
-one checkpoint interval of one stage.
+one checkpoint interval of one stage. ``done.json`` also records what the stage was (kind,
+config, references): calling again with a *changed* stage under the same name is refused,
+naming the keys that differ, instead of silently reusing a result of other settings.
 
     stages = [Stage("sft", "sft", sft_cfg),
               Stage("rl_max", "grpo", grpo_cfg, init_from="sft"),
@@ -61,6 +63,41 @@ def read_done(workdir: str, name: str) -> dict:
         return json.load(f)
 
 
+def stage_identity(stage: Stage) -> dict:
+    """What a finished stage was run with: kind, config (as JSON values) and references."""
+    return json.loads(json.dumps({"kind": stage.kind, "config": stage.config.to_dict(),
+                                  "init_from": stage.init_from,
+                                  "teachers": dict(stage.teachers)}, default=str))
+
+
+def _flat(d, prefix=""):
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out = {}
+    for k, v in d.items():
+        out |= _flat(v, f"{prefix}.{k}" if prefix else str(k))
+    return out
+
+
+def check_same_stage(stage: Stage, record: dict, workdir: str) -> None:
+    """A finished stage is reused only if it was run with the same identity (records written
+    before identities were stored are accepted)."""
+    old = record.get("identity")
+    if old is None:
+        return
+    new = stage_identity(stage)
+    if old == new:
+        return
+    a, b = _flat(old), _flat(new)
+    diff = sorted(k for k in a.keys() | b.keys() if a.get(k, "<absent>") != b.get(k, "<absent>"))
+    shown = ", ".join(f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+                      for k in diff[:6])
+    raise ValueError(
+        f"stage {stage.name!r} in {stage_dir(workdir, stage.name)} finished with other settings "
+        f"({len(diff)} differ: {shown}{', ...' if len(diff) > 6 else ''}); expected the same "
+        "stage as before: delete that directory to re-run it, or use a new workdir")
+
+
 def check_stages(stages: Sequence[Stage]) -> None:
     """Names are unique and every reference points to an earlier stage (before any work)."""
     seen: set[str] = set()
@@ -89,7 +126,9 @@ def resolved_config(stage: Stage, workdir: str) -> ml_collections.ConfigDict:
 def run_stage(stage: Stage, workdir: str, *, progress: bool = True) -> dict:
     """Run (or resume, or skip if done) one stage; returns its done.json record."""
     if is_done(workdir, stage.name):
-        return read_done(workdir, stage.name)
+        record = read_done(workdir, stage.name)
+        check_same_stage(stage, record, workdir)
+        return record
     out_dir = stage_dir(workdir, stage.name)
     cfg = resolved_config(stage, workdir)
     t0 = time.time()
@@ -105,7 +144,8 @@ def run_stage(stage: Stage, workdir: str, *, progress: bool = True) -> dict:
                                          cfg.rl.minibatches)}
     else:
         record = _merge(stage, cfg, workdir, out_dir)
-    record |= {"stage": stage.name, "kind": stage.kind, "wall_s": round(time.time() - t0, 1)}
+    record |= {"stage": stage.name, "kind": stage.kind, "wall_s": round(time.time() - t0, 1),
+               "identity": stage_identity(stage)}
     tmp = os.path.join(out_dir, "done.json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
@@ -130,6 +170,9 @@ def _merge(stage: Stage, cfg, workdir: str, out_dir: str) -> dict:
 def run_stages(stages: Sequence[Stage], workdir: str, *, progress: bool = True) -> dict:
     """Run every stage in order (skipping finished ones); returns {name: done record}."""
     check_stages(stages)
+    for stage in stages:   # before any work: a changed finished stage is refused up front
+        if is_done(workdir, stage.name):
+            check_same_stage(stage, read_done(workdir, stage.name), workdir)
     os.makedirs(workdir, exist_ok=True)
     records = {}
     for i, stage in enumerate(stages):

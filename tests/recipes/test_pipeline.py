@@ -10,7 +10,8 @@ import pytest
 
 from opd_jax.config import load_config
 from opd_jax.recipes import recipe_module, report as rp
-from opd_jax.recipes.pipeline import Stage, check_stages, resolved_config, run_stages
+from opd_jax.recipes.pipeline import (Stage, check_stages, resolved_config, run_stages,
+                                      stage_identity)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,6 +49,25 @@ def test_finished_stages_are_skipped(tmp_path, capsys):
     records = run_stages([Stage("m", "merge", _cfg(method="average"))], str(tmp_path))
     assert records == {"m": {"stage": "m", "wall_s": 1.0}}
     assert "[1/1] merge m: done" in capsys.readouterr().out
+
+
+def test_a_changed_finished_stage_is_refused(tmp_path):
+    done = Stage("m", "merge", _cfg(method="average", scale=1.0))
+    (tmp_path / "m").mkdir()
+    record = {"stage": "m", "wall_s": 1.0, "identity": stage_identity(done)}
+    (tmp_path / "m" / "done.json").write_text(json.dumps(record))
+    same = Stage("m", "merge", _cfg(method="average", scale=1.0))
+    assert run_stages([same], str(tmp_path), progress=False) == {"m": record}
+    changed = Stage("m", "merge", _cfg(method="task_arithmetic", scale=1.0))
+    with pytest.raises(ValueError, match="stage 'm' in .* finished with other settings \\(1 "
+                                         "differ: config.method: 'average' -> "
+                                         "'task_arithmetic'\\); expected the same stage"):
+        run_stages([changed], str(tmp_path), progress=False)
+    # Refused before any earlier stage runs (a merge of nothing would fail if it ran).
+    with pytest.raises(ValueError, match="finished with other settings"):
+        run_stages([Stage("first", "merge", _cfg(method="average")), changed], str(tmp_path),
+                   progress=False)
+    assert not (tmp_path / "first").exists()
 
 
 @pytest.mark.parametrize("recipe,n_stages", [("kimi_k3", 6), ("glm", 7), ("deepseek_v4", 10)])
