@@ -61,8 +61,8 @@ def main(argv=None) -> None:
     teachers = {d: TeacherSpec(path).load() for d, path in models["teachers"].items()}
     tasks = [t for fam in lc.FAMILIES.values()
              for t in envs.TaskSource(fam, size=a.rollouts // len(lc.FAMILIES), seed=0,
-                                      effort="high", difficulty=1)]
-    eps = play(student, tok, tasks, SamplingConfig(max_new_tokens=24, max_turns=1), seed=1)
+                                      effort="high", difficulty=lc.DIFFICULTY)]
+    eps = play(student, tok, tasks, SamplingConfig(max_new_tokens=lc.MAX_NEW_TOKENS, max_turns=1), seed=1)
     b = build_sequences([e.prompt_ids for e in eps], [e.response_ids for e in eps],
                         response_masks=[e.response_mask for e in eps])
     inputs, targets = jnp.asarray(b["inputs"]), jnp.asarray(b["targets"])
