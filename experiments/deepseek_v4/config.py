@@ -4,21 +4,23 @@ Run (from the repository root):
 
     opd-jax experiment --config experiments/deepseek_v4/config.py:reduced --workdir runs/deepseek_v4
 
-Four specialists (general at low and max effort — different thinking budgets and length
-penalties — agent, coding), each GRPO from a shared SFT start; the student distills all four
+On the testbed (docs/testbed.md), from the shipped base. Four specialists (general at low
+and max effort — different thinking budgets and length penalties — agent, coding), each GRPO
+from a shared SFT start; the student distills all four
 through the fused kernel with a teacher cache of 2 (< the bank), hidden-state caching on;
 a sampled-token OPD student with the same rollouts and steps and the merged specialists are
-the baselines. Presets: ``reduced`` (1 seed), ``full`` (3 seeds), ``smoke`` (tests),
-``scale_v5p64`` / ``scale_8xh100`` (Qwen3-1.7B students, Qwen3-8B specialists from their own
+the baselines. Presets: ``reduced`` (1 seed), ``full`` (3 seeds), ``smoke`` (tests; a random
+1-layer model), ``scale_v5p64`` / ``scale_8xh100`` (Qwen3-1.7B students, Qwen3-8B specialists from their own
 SFT stage, on a TPU v5p-64 or 8xH100 mesh; compile-checked, not run:
 ``python -m opd_jax.recipes.scale_up --config experiments/deepseek_v4/config.py:scale_8xh100``).
 """
 import ml_collections
 
 from opd_jax.recipes import policy_overrides as run
-from opd_jax.recipes import shrink_for_smoke
+from opd_jax.recipes import on_testbed, shrink_for_smoke
 from opd_jax.recipes import trainer_config as base
 from opd_jax.recipes.scale_up import MESHES, apply_scale
+from opd_jax.recipes.testbed import TESTBED
 
 
 def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
@@ -26,15 +28,16 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     c.recipe = "deepseek_v4"
     c.tokenizer = "synthetic"
     c.seeds = (0,)
-    c.domains = {"general": "arithmetic", "agent": "tool_lookup", "coding": "code_expr"}
+    c.domains = dict(TESTBED)     # general: chain, agent: tool_chain, coding: code_trace
     # specialist key -> (domain, effort); effort = thinking budget + length penalty
     c.specialists = {"math_short": ("general", "low"), "math_long": ("general", "max"),
                      "agent": ("agent", "high"), "code": ("coding", "high")}
-    c.sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=80",
-                 "--config.train.ckpt_every=50", "--config.data.tasks.difficulty=1")
+    # The cold start: a short SFT of the shipped base on every domain's demos (all efforts).
+    c.sft = base("sft.py:tasks", "--config.train.steps=30", "--config.train.ckpt_every=30",
+                 "--config.optim.lr=3e-4", "--config.optim.warmup_steps=5")
     # Each specialist first fine-tunes on its own cell' demos, then RL (train.steps=0: RL only).
-    c.specialist_sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=60",
-                            "--config.train.ckpt_every=60", "--config.optim.lr=1e-3",
+    c.specialist_sft = base("sft.py:tasks", "--config.train.steps=60",
+                            "--config.train.ckpt_every=60", "--config.optim.lr=5e-4",
                             "--config.optim.warmup_steps=5")
     c.specialist = base("grpo.py:tiny", *run(steps=20, lr=2e-4, prompts=16))
     # Both students: the same rollouts and optimizer steps (the full-vocabulary objective's
@@ -46,8 +49,7 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     c.merge = ml_collections.ConfigDict(dict(method="task_arithmetic", scale=1.0))
     c.eval = base("eval.py:grid").eval
     c.eval.n = 64
-    c.eval.difficulty = 1
-    c.eval.sampling.max_new_tokens = 48
+    on_testbed(c, ("sft", "specialist_sft"), ("specialist", "student", "sampled_student"))
     if arg == "reduced":
         pass
     elif arg == "full":
@@ -55,7 +57,7 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
         c.specialist.train.steps = 40
         c.student.train.steps = c.sampled_student.train.steps = 120
     elif arg == "smoke":
-        c.domains = {"general": "arithmetic", "coding": "code_expr"}
+        c.domains = {"general": "chain", "coding": "code_trace"}
         c.specialists = {"math_short": ("general", "low"), "math_long": ("general", "max"),
                          "code": ("coding", "low")}
         shrink_for_smoke(c, c.specialist, c.student, c.sampled_student)

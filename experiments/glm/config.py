@@ -4,19 +4,21 @@ Run (from the repository root):
 
     opd-jax experiment --config experiments/glm/config.py:reduced --workdir runs/glm
 
-Domains stand in for GLM's stages: reasoning = general (arithmetic), agentic = agent
-(tool_lookup, multi-turn), general = coding (code_expr). Thinking is switched per prompt
+Domains stand in for GLM's stages on the testbed (docs/testbed.md; from the shipped base):
+reasoning = general (chain), agentic = agent (tool_chain, multi-turn), general = coding
+(code_trace). Thinking is switched per prompt
 (<|think_on|> / <|think_off|>). Presets: ``reduced`` (1 seed, CPU tens of minutes),
-``full`` (3 seeds), ``smoke`` (tests), ``scale_v5p64`` / ``scale_8xh100`` (every stage a
+``full`` (3 seeds), ``smoke`` (tests; a random 1-layer model), ``scale_v5p64`` / ``scale_8xh100`` (every stage a
 Qwen3-1.7B on a TPU v5p-64 or 8xH100 mesh; compile-checked, not run:
 ``python -m opd_jax.recipes.scale_up --config experiments/glm/config.py:scale_8xh100``).
 """
 import ml_collections
 
 from opd_jax.recipes import policy_overrides as run
-from opd_jax.recipes import shrink_for_smoke
+from opd_jax.recipes import on_testbed, shrink_for_smoke
 from opd_jax.recipes import trainer_config as base
 from opd_jax.recipes.scale_up import MESHES, apply_scale
+from opd_jax.recipes.testbed import TESTBED
 
 
 def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
@@ -24,18 +26,19 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     c.recipe = "glm"
     c.tokenizer = "synthetic"
     c.seeds = (0,)
-    c.domains = {"general": "arithmetic", "agent": "tool_lookup", "coding": "code_expr"}
+    c.domains = dict(TESTBED)     # general: chain, agent: tool_chain, coding: code_trace
     c.efforts = ("think_on", "think_off")
     # (stage, domains it trains on), in order (a tuple: ConfigDict maps do not keep order)
     c.stages = (("reasoning_rl", ("general",)), ("agentic_rl", ("agent",)),
                 ("general_rl", ("coding",)))
     c.stage_teachers = {"general": "reasoning_rl", "agent": "agentic_rl",
                         "coding": "general_rl"}
-    c.sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=80",
-                 "--config.train.ckpt_every=50", "--config.data.tasks.difficulty=1")
+    # The cold start: a short SFT of the shipped base on every domain's demos (all efforts).
+    c.sft = base("sft.py:tasks", "--config.train.steps=30", "--config.train.ckpt_every=30",
+                 "--config.optim.lr=3e-4", "--config.optim.warmup_steps=5")
     # Each stage first fine-tunes on its own domains' demos, then RL (train.steps=0: RL only).
-    c.specialist_sft = base("sft.py:tasks", "--config.data.seq_len=96", "--config.train.steps=60",
-                            "--config.train.ckpt_every=60", "--config.optim.lr=1e-3",
+    c.specialist_sft = base("sft.py:tasks", "--config.train.steps=60",
+                            "--config.train.ckpt_every=60", "--config.optim.lr=5e-4",
                             "--config.optim.warmup_steps=5")
     c.rl = base("grpo.py:tiny", *run(steps=20, lr=2e-4, prompts=16))
     # Sampled-token OPD needs many rollouts per step at a small lr (see learning_check).
@@ -44,8 +47,7 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     c.merge = ml_collections.ConfigDict(dict(method="average"))
     c.eval = base("eval.py:grid").eval
     c.eval.n = 64
-    c.eval.difficulty = 1
-    c.eval.sampling.max_new_tokens = 48
+    on_testbed(c, ("sft", "specialist_sft"), ("rl", "student"))
     if arg == "reduced":
         pass
     elif arg == "full":
@@ -53,7 +55,7 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
         c.rl.train.steps = 40
         c.student.train.steps = 40
     elif arg == "smoke":
-        c.domains = {"general": "arithmetic", "coding": "code_expr"}
+        c.domains = {"general": "chain", "coding": "code_trace"}
         c.stages = (("reasoning_rl", ("general",)), ("general_rl", ("coding",)))
         c.stage_teachers = {"general": "reasoning_rl", "coding": "general_rl"}
         shrink_for_smoke(c, c.rl, c.student)

@@ -69,21 +69,65 @@ def policy_overrides(*, steps: int, lr: float, prompts: int, difficulty: int = 1
             f"--config.eval.n={eval_n}", f"--config.rollout.sampling.max_new_tokens={max_new_tokens}"]
 
 
+BASE = "builtin:base"
+
+
+def on_testbed(c, sft_sections, policy_sections) -> None:
+    """Put a recipe config on the testbed (docs/testbed.md), in place: its SFT cold start
+    (``c.sft``) starts from the shipped base, every stage trains on its domains' train split
+    at their common evaluation difficulty with the testbed's token budget, and the report
+    evaluates there (``c.eval``; ``hard_difficulty`` one above). ``c.domains`` must map each
+    domain to its testbed family.
+
+    sft_sections / policy_sections: names of the config's SFT and GRPO/OPD sections.
+    """
+    from opd_jax.recipes import testbed as tb
+    bad = {d: f for d, f in dict(c.domains).items() if tb.TESTBED.get(d) != f}
+    if bad:
+        raise ValueError(f"domains {bad}: expected the testbed's families {tb.TESTBED}")
+    levels = {tb.EVAL_DIFFICULTY[d] for d in c.domains}
+    if len(levels) != 1:
+        raise ValueError(f"domains {sorted(c.domains)} have evaluation difficulties "
+                         f"{tb.EVAL_DIFFICULTY}: expected one difficulty for the recipe")
+    difficulty = levels.pop()
+    c.sft.model.init_from = BASE
+    for name in sft_sections:
+        c[name].data.tasks.difficulty = difficulty
+        c[name].data.update(dict(seq_len=320, packing=True, batch_size=24))
+    for name in policy_sections:
+        s = c[name]
+        s.tasks.difficulty = difficulty
+        for sampling in (s.rollout.sampling, s.eval.sampling):
+            sampling.update(dict(max_new_tokens=tb.SAMPLING["max_new_tokens"],
+                                 max_turns=tb.SAMPLING["max_turns"]))
+    c.eval.difficulty = difficulty
+    c.eval.hard_difficulty = difficulty + 1
+    c.eval.sampling.update(dict(max_new_tokens=tb.SAMPLING["max_new_tokens"],
+                                max_turns=tb.SAMPLING["max_turns"]))
+
+
 def shrink_for_smoke(c, rl, *students) -> None:
-    """The `smoke` presets' sizes: a 1-layer model, a few steps, tiny evaluations.
+    """The `smoke` presets' sizes: a random 1-layer model (the one preset not started from
+    the base: it tests plumbing, in the default suite, and the base's 4 layers and 320-token
+    rows made the three recipes' smoke runs 8x slower), a few steps, short rollouts, tiny
+    evaluations.
 
     rl: the GRPO stage config(s) section (group size 2); students: the OPD sections.
     Rollout batches stay divisible by the 8 fake devices of the test suite.
     """
     c.sft.train.steps = 4
+    c.sft.model.init_from = ""
     c.sft.model.update(dict(hidden_size=32, intermediate_size=64, num_layers=1, head_dim=8))
+    for name in ("sft", "specialist_sft"):
+        c[name].data.update(dict(seq_len=96, packing=False, batch_size=8))
     for s in (rl, *students):
         s.train.steps = 2
         s.eval.every = 1
         s.eval.n = 2
         s.rollout.prompts_per_step = 8
         s.rl.minibatches = 1
-        s.rollout.sampling.max_new_tokens = 8
+        s.rollout.sampling.update(dict(max_new_tokens=8, max_turns=2))
+        s.eval.sampling.update(dict(max_new_tokens=8, max_turns=2))
     rl.rollout.group_size = 2
     c.eval.n = 2
-    c.eval.sampling.max_new_tokens = 8
+    c.eval.sampling.update(dict(max_new_tokens=8, max_turns=2))

@@ -81,6 +81,26 @@ def test_smoke_plans(recipe, n_stages):
     assert student.init_from and student.teachers
 
 
+@pytest.mark.parametrize("recipe", ["kimi_k3", "glm", "deepseek_v4"])
+@pytest.mark.parametrize("preset", ["reduced", "full", "smoke"])
+def test_presets_start_from_the_base_on_the_testbed(recipe, preset):
+    from opd_jax.recipes.testbed import EVAL_DIFFICULTY, TESTBED
+    c = load_config(os.path.join(ROOT, f"experiments/{recipe}/config.py:{preset}"))
+    # smoke (plumbing, default suite) is the one preset on a random 1-layer model.
+    assert c.sft.model.init_from == ("" if preset == "smoke" else "builtin:base")
+    assert all(TESTBED[d] == f for d, f in c.domains.items())
+    stages = recipe_module(recipe).build(c, seed=0)
+    for s in stages:
+        if s.kind == "merge":
+            continue
+        tasks = s.config.data.tasks if s.kind == "sft" else s.config.tasks
+        assert set(dict(tasks.families).items()) <= set(TESTBED.items()), s.name
+        assert tasks.difficulty == c.eval.difficulty, s.name
+        # Only the cold start loads a checkpoint by path; the others start from a stage.
+        assert (s.init_from is None) == (s.name in ("sft",)), s.name
+    assert {EVAL_DIFFICULTY[d] for d in c.domains} == {c.eval.difficulty}
+
+
 def test_reduced_and_full_plans():
     k = recipe_module("kimi_k3")
     c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:full"))
@@ -91,7 +111,7 @@ def test_reduced_and_full_plans():
     by = {s.name: s for s in stages}
     assert by["rl_coding_max"].init_from == "sft_coding_max"
     assert by["sft_coding_max"].init_from == "sft" and by["sft_coding_max"].kind == "sft"
-    assert dict(by["sft_coding_max"].config.data.tasks.families) == {"coding": "code_expr"}
+    assert dict(by["sft_coding_max"].config.data.tasks.families) == {"coding": "code_trace"}
     assert by["sft_coding_max"].config.data.tasks.efforts == ("max",)
     assert by["rl_coding_high"].init_from == "rl_coding_max"
     assert by["rl_coding_low"].init_from == "rl_coding_high"
@@ -123,7 +143,7 @@ def test_reduced_and_full_plans():
                                       "agentic_rl", "sft_general_rl", "general_rl")] == [
         "sft", "sft_reasoning_rl", "reasoning_rl", "sft_agentic_rl", "agentic_rl",
         "sft_general_rl"]
-    assert dict(gs["sft_agentic_rl"].config.data.tasks.families) == {"agent": "tool_lookup"}
+    assert dict(gs["sft_agentic_rl"].config.data.tasks.families) == {"agent": "tool_chain"}
     assert gs["student"].init_from == "general_rl"
     assert gs["student"].teachers == {"general": "reasoning_rl", "agent": "agentic_rl",
                                       "coding": "general_rl"}
