@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from collections.abc import Mapping
 
@@ -12,23 +13,96 @@ import numpy as np
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, *, tensorboard: bool = True):
+    """Appends one record per logged step to ``<workdir>/metrics.jsonl`` and the same
+    scalars to TensorBoard (``<workdir>/tb``).
+
+    Resumed runs keep one record per step. A run killed after logging step k but before
+    its checkpoint resumes from an earlier step s and logs s+1.. again; those records of
+    the lost run are dropped from ``metrics.jsonl`` (an atomic rewrite: temp file +
+    rename; the dropped lines are appended to ``metrics.dropped.jsonl``, kept for
+    forensics) either at open, when the caller passes ``resume_step=s`` (records with
+    step > s), or otherwise before the first write of this writer at step t (records
+    with step >= t). TensorBoard event files cannot be truncated: the writer of a
+    resumed run opens a new event file with tensorboardX's ``purge_step`` (a
+    ``SessionLog.START`` at that step), which makes TensorBoard hide the earlier events
+    of steps >= it, so re-logged steps are not shown twice (readers that ignore
+    ``SessionLog`` events, such as a plain event-file parser, still see both)."""
+
+    def __init__(self, workdir: str, *, tensorboard: bool = True,
+                 resume_step: int | None = None):
         self._active = jax.process_index() == 0
         self._jsonl = None
         self._tb = None
+        self._tensorboard = tensorboard
+        self._first = True
         if not self._active:
             return
         os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
+        self._dir = workdir
+        self._path = os.path.join(workdir, "metrics.jsonl")
+        # an earlier run wrote here: its records past the resume point are superseded
+        self._resumed = os.path.isfile(self._path) and os.path.getsize(self._path) > 0
+        self._purge_step = None
+        if resume_step is not None and self._resumed:
+            self._drop_from(int(resume_step) + 1)
+        self._jsonl = open(self._path, "a", encoding="utf-8")
         if tensorboard:
-            from tensorboardX import SummaryWriter
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+            os.makedirs(os.path.join(workdir, "tb"), exist_ok=True)
+            if resume_step is not None:
+                self._open_tb(int(resume_step) + 1 if self._resumed else None)
+
+    def _open_tb(self, purge_step: int | None) -> None:
+        from tensorboardX import SummaryWriter
+        # tensorboardX names event files by the second; the ns suffix keeps a quick resume
+        # from overwriting the previous run's file (and sorts after it)
+        self._tb = SummaryWriter(os.path.join(self._dir, "tb"), purge_step=purge_step,
+                                 filename_suffix=f".{time.time_ns()}")
+
+    def _drop_from(self, step: int) -> int:
+        """Atomically rewrite metrics.jsonl without the records of step >= `step`; returns
+        how many were dropped (0: the file is left untouched)."""
+        with open(self._path, encoding="utf-8") as f:
+            lines = f.readlines()
+        keep, drop = [], []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                rec_step = int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                if i == len(lines) - 1 and not line.endswith("\n"):
+                    drop.append(line + "\n")   # torn by a kill mid-write
+                    continue
+                keep.append(line)      # not ours to judge: left for read_metrics to report
+                continue
+            (drop if rec_step >= step else keep).append(line if line.endswith("\n")
+                                                       else line + "\n")
+        if not drop:
+            return 0
+        tmp = self._path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(os.path.join(self._dir, "metrics.dropped.jsonl"), "a",
+                  encoding="utf-8") as f:
+            f.writelines(drop)
+        os.replace(tmp, self._path)
+        return len(drop)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         if not self._active:
             return
+        step = int(step)
+        if self._first:     # a resumed run: what an earlier run logged from here is stale
+            self._first = False
+            if self._resumed and self._drop_from(step):
+                self._jsonl.close()
+                self._jsonl = open(self._path, "a", encoding="utf-8")
+            if self._tensorboard and self._tb is None:
+                self._open_tb(step if self._resumed else None)
         scalars = {k: float(np.asarray(v)) for k, v in metrics.items()}
-        self._jsonl.write(json.dumps({"step": int(step), **scalars}) + "\n")
+        self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
         self._jsonl.flush()
         if self._tb is not None:
             for k, v in scalars.items():
