@@ -7,9 +7,12 @@
 * ``--config.a.b=value`` — overrides; the value is parsed as a Python literal (falling back to
   a string) and must match the type already there (ints widen to floats). Unknown keys are
   errors: configs are locked, so a typo cannot silently add a field. A dict literal
-  replaces a whole map section (``teachers.paths``, ``tasks.families``: only strings and
-  sub-maps); for any other section (``optim``) it sets the keys it names, each checked
-  like an override.
+  replaces a whole free-form map (`FREE_FORM_MAPS`: ``tasks.families``, ``teachers.paths``,
+  ``teachers.table``, ``teachers.weights``, ``domains``, ``stage_teachers``, whose keys are
+  names the user picks); for any other section (``optim``, ``rollout``) it sets the keys
+  it names, nested dicts for sub-sections, every key checked like an override
+  (recursively, all before anything is set): an unknown key fails naming it, its section
+  and the known keys.
 
 Every problem raises :class:`ConfigError` with a one-line message naming the key or file.
 """
@@ -88,18 +91,18 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
         raise ConfigError(f"unknown config key {dotted!r}{_suggest(leaf, node)}")
     old = node[leaf]
     if isinstance(old, ml_collections.ConfigDict):
-        if isinstance(value, dict) and _is_map(old):
-            # maps (teacher paths, task families) are replaced whole
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key {dotted!r} is a section; set one of its keys "
+                              f"({', '.join(sorted(old.keys()))}) or give a dict to replace it")
+        if is_free_form(dotted):     # names -> values: replaced whole, any keys
             with node.unlocked():
                 node[leaf] = ml_collections.ConfigDict(value)
             node[leaf].lock()
             return
-        if isinstance(value, dict):     # a structured section: each key set and checked
-            for k, v in value.items():
-                set_value(cfg, f"{dotted}.{k}", v)
-            return
-        raise ConfigError(f"config key {dotted!r} is a section; set one of its keys "
-                          f"({', '.join(sorted(old.keys()))}) or give a dict to replace it")
+        _check_section(dotted, old, value)      # every key, before anything is set
+        for k, v in value.items():
+            set_value(cfg, f"{dotted}.{k}", v)
+        return
     value = _coerce(dotted, old, value)
     try:
         with node.unlocked():
@@ -108,11 +111,40 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
         raise ConfigError(f"config key {dotted!r}: {e}") from None
 
 
-def _is_map(section: ml_collections.ConfigDict) -> bool:
-    """A map (keys are data: teacher paths, task families, routing tables) is empty or holds
-    only strings and sub-maps; any other section is structured (its keys are fields)."""
-    return all(isinstance(v, str) or (isinstance(v, ml_collections.ConfigDict) and _is_map(v))
-               for v in section.values())
+# Sections whose keys are data, not fields: task family per domain (``tasks.families``,
+# an experiment's ``domains``), teacher key -> checkpoint (``teachers.paths``), cell or
+# domain -> teacher key (``teachers.table``), cell or domain -> {teacher key: weight}
+# (``teachers.weights``), domain -> stage (``stage_teachers``, experiments/glm). A dict
+# literal replaces them whole and may name any keys. Matched as a dotted suffix
+# (``data.tasks.families``, ``student.teachers.paths`` are ones too). Every other section,
+# however few or string-valued its fields (``merge``), is structured.
+FREE_FORM_MAPS = ("tasks.families", "teachers.paths", "teachers.table", "teachers.weights",
+                  "domains", "stage_teachers")
+
+
+def is_free_form(dotted: str) -> bool:
+    return any(dotted == m or dotted.endswith("." + m) for m in FREE_FORM_MAPS)
+
+
+def _check_section(dotted: str, section: ml_collections.ConfigDict, value: dict) -> None:
+    """Raise ConfigError unless every key of `value` (recursively) is a key of the
+    structured `section` with a value of a fitting type."""
+    for k, v in value.items():
+        key = f"{dotted}.{k}"
+        if not isinstance(k, str) or k not in section:
+            close = difflib.get_close_matches(str(k), list(section.keys()), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown config key {key!r}{hint} in section {dotted!r}; "
+                              f"known keys: {', '.join(sorted(section.keys()))}")
+        old = section[k]
+        if isinstance(old, ml_collections.ConfigDict):
+            if not isinstance(v, dict):
+                raise ConfigError(f"config key {key!r} is a section; set one of its keys "
+                                  f"({', '.join(sorted(old.keys()))}) or give a dict")
+            if not is_free_form(key):
+                _check_section(key, old, v)
+        else:
+            _coerce(key, old, v)
 
 
 def _child(node, part, where):
