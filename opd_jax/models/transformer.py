@@ -48,6 +48,16 @@ class KVCache:
     attends to the slots s <= j where valid[b, s]. Slots are not positions: RoPE
     positions come from the caller (a left-padded row starts at position 0 on its first
     real token).
+
+    Precondition: ``0 <= index`` and ``index + T <= max_len`` (XLA's dynamic_update_slice
+    would otherwise clamp the write onto earlier slots, silently). It is checked
+    (ValueError naming index, T and the length) whenever index is concrete: an eager
+    call, or a Python int. Under jit the index is traced and not checked (a device-side
+    check would cost every decode step): jitted callers keep room themselves, as the
+    rollout engine does (`generate` and `multiturn` refuse prompts that do not fit
+    before any work; `decode` stops at ``index + 1 < max_len``), and an overflow left
+    ``index > max_len`` in the returned cache, so ``int(cache.index) <= cache.max_len``
+    checks a jitted call afterwards.
     """
     k: jax.Array
     v: jax.Array
@@ -79,6 +89,20 @@ class KVCache:
         return KVCache(k=kv, v=kv, valid=sh.named_sharding(("batch", "seq"), self.valid.shape,
                                                            mesh, rules),
                        index=sh.replicated(mesh))
+
+
+def check_cache_room(index, T: int, max_len: int) -> None:
+    """ValueError unless slots [index, index + T) lie in a cache of `max_len` slots, when
+    `index` is concrete (a Python int or a concrete array); a traced index is the
+    caller's to keep in range (see KVCache)."""
+    if isinstance(index, jax.core.Tracer):
+        return
+    i = int(index)
+    if i < 0 or i + T > max_len:
+        raise ValueError(f"KV cache overflow: writing T={T} tokens at index={i} needs slots "
+                         f"[{i}, {i + T}) but the cache length is {max_len} slots "
+                         f"(index + T <= {max_len} required); create a longer cache "
+                         f"(init_cache(batch, max_len)) or write fewer tokens")
 
 
 class RMSNorm(nnx.Module):
@@ -168,7 +192,9 @@ class Attention(nnx.Module):
             k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
         else:
             k_all, v_all, layer, index = kv
+            check_cache_room(index, k_BxTxKxDh.shape[1], k_all.shape[2])
             zero = jnp.zeros((), jnp.int32)
+            index = jnp.asarray(index, jnp.int32)
             start = (jnp.asarray(layer, jnp.int32), zero, index, zero, zero)
             k_all = lax.dynamic_update_slice(k_all, k_BxTxKxDh[None].astype(k_all.dtype), start)
             v_all = lax.dynamic_update_slice(v_all, v_BxTxKxDh[None].astype(v_all.dtype), start)
@@ -319,7 +345,8 @@ class Transformer(nnx.Module):
                                  f"slots; got tokens of shape {(B, T)}")
             new_valid_BxT = (jnp.ones((B, T), bool) if attention_mask_BxT is None
                              else attention_mask_BxT.astype(bool))
-            index = cache.index.astype(jnp.int32)
+            check_cache_room(cache.index, T, cache.max_len)
+            index = jnp.asarray(cache.index, jnp.int32)
             valid_BxS = lax.dynamic_update_slice(cache.valid, new_valid_BxT,
                                                  (jnp.zeros((), jnp.int32), index))
             slot_S = jnp.arange(cache.max_len, dtype=jnp.int32)
