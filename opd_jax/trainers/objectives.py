@@ -9,10 +9,21 @@ An objective is a frozen dataclass called as ``objective(model, batch, teachers)
 it). Sampled-token objectives (grpo, kimi_mopd, glm_cross_stage) score the student with full
 logits; the full-vocab objective never builds [B, T, V] logits: it feeds the student's and
 the cached teachers' last-layer hidden states to the fused reverse-KL kernel.
+
+Behaviour distribution. The sampled-token objectives take ``behaviour``, the rollout
+sampler's settings (``cfg.rollout.sampling``: temperature, top-k, top-p). The log-probs that
+enter the PPO ratio exp(lp - lp_old) and the IcePop/TIS mismatch exp(lp_old - lp_sampler)
+are computed under the distribution the sampler drew from (`behaviour_logprobs`: the
+sampler's own `process_logits`, i.e. logits / T, then its top-k/top-p truncation,
+renormalised over the kept tokens), so the mismatch measures only train/inference numerics.
+The OPD teacher comparison (Kimi's r_t, GLM's lp_old - lp_T, the per-teacher metrics) keeps
+the plain T = 1 student log-probs, the distribution the teacher's log-probs are on.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any, ClassVar
 
 import jax
@@ -28,19 +39,101 @@ def register(cls):
     return cls
 
 
-def make_objective(name: str, **kwargs) -> Any:
+def make_objective(name: str, *, sampling=None, **kwargs) -> Any:
+    """The objective `name` with its options; `sampling` (the rollout sampling config, e.g.
+    ``cfg.rollout.sampling``) sets the behaviour distribution of objectives that have one."""
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; available: {', '.join(sorted(OBJECTIVES))}")
     fields = {f.name for f in dataclasses.fields(OBJECTIVES[name])}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
         raise ValueError(f"objective {name!r} has no option(s) {unknown}; options: {sorted(fields)}")
+    if sampling is not None and "behaviour" in fields:
+        if "behaviour" in kwargs:
+            raise ValueError(f"objective {name!r}: behaviour comes from the rollout sampling "
+                             f"config; do not also set it as an option")
+        kwargs["behaviour"] = Behaviour.of(sampling)
     return OBJECTIVES[name](**kwargs)
+
+
+# Log-prob given to a sampled token that the recomputed top-k/top-p set excludes (possible
+# after a policy update, or at a numerical tie at the cut): finite, so PPO ratios and IcePop
+# stay finite (k_t ~ 0: IcePop/TIS weight the token ~0), and exp(-LOGP_FLOOR) fits in fp32.
+LOGP_FLOOR = -30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Behaviour:
+    """The rollout sampler's distribution: softmax(truncate(logits / temperature)).
+
+    temperature 0 (greedy) is a point mass, which has no useful log-prob: the objectives
+    then keep the plain T = 1 log-probs (the sampler reports 0 for greedy tokens, so
+    IcePop/TIS stay degenerate, as `builders` warns). top_k 0 and top_p 1 mean off.
+    """
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @classmethod
+    def of(cls, sampling) -> Behaviour:
+        """From anything with temperature / top_k / top_p (SamplingConfig, ConfigDict)."""
+        get = sampling.get if hasattr(sampling, "get") else functools.partial(getattr, sampling)
+        return cls(float(get("temperature", 1.0)), int(get("top_k", 0)),
+                   float(get("top_p", 1.0)))
+
+    @property
+    def plain(self) -> bool:
+        """True when the training log-probs are the plain T = 1 ones (untempered and
+        untruncated sampling, or greedy)."""
+        return self.temperature == 0 or (self.temperature == 1.0 and self.top_k == 0
+                                         and self.top_p == 1.0)
+
+
+def behaviour_logprobs(logits_BxTxV, targets_BxT, behaviour: Behaviour | None) -> jax.Array:
+    """lp_t = log p_behaviour(y_t): the log-prob of each target under the distribution the
+    sampler drew from, computed by the sampler's own `rollout.process_logits` (fp32).
+
+    Plain behaviour (None, T = 1 untruncated, or greedy) gives `losses.token_logprobs`, the
+    T = 1 log-probs, unchanged. Targets outside the top-k/top-p set get LOGP_FLOOR.
+    With top-k/top-p this sorts the vocabulary of every position ([B*T, V] buffers).
+    """
+    if behaviour is None or behaviour.plain:
+        return losses.token_logprobs(logits_BxTxV, targets_BxT)
+    from opd_jax.rollout.sampling import SamplingParams, process_logits
+    *lead, V = logits_BxTxV.shape
+    n = math.prod(lead)
+    params = SamplingParams.create(n, temperature=behaviour.temperature,
+                                   top_k=behaviour.top_k, top_p=behaviour.top_p)
+    logp_NxV = process_logits(logits_BxTxV.reshape(n, V), params)
+    lp_N = jnp.take_along_axis(logp_NxV, targets_BxT.reshape(n, 1), axis=-1, mode="clip")[:, 0]
+    lp_N = jnp.where(jnp.isneginf(lp_N), LOGP_FLOOR, lp_N)
+    return lp_N.reshape(targets_BxT.shape)
 
 
 def student_logp(model, batch, temperature: float = 1.0):
     logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
     return losses.token_logprobs(logits_BxTxV, batch["targets"], temperature=temperature)
+
+
+def student_logps(model, batch, behaviour: Behaviour | None):
+    """(plain T = 1 log-probs, behaviour log-probs) of the targets from one forward; the
+    same array twice when the behaviour is plain."""
+    logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+    plain_BxT = losses.token_logprobs(logits_BxTxV, batch["targets"])
+    if behaviour is None or behaviour.plain:
+        return plain_BxT, plain_BxT
+    return plain_BxT, behaviour_logprobs(logits_BxTxV, batch["targets"], behaviour)
+
+
+def old_plain_logp(o, batch):
+    """The plain T = 1 old log-probs: batch["old_logp_plain"], or batch["old_logp"] itself
+    when the behaviour is plain."""
+    if o.behaviour.plain:
+        return batch["old_logp"]
+    if "old_logp_plain" not in batch:
+        raise KeyError(f"{o.name} with behaviour {o.behaviour} needs batch['old_logp_plain'] "
+                       f"(the T = 1 old log-probs; `policy.batch_logprobs` returns them)")
+    return batch["old_logp_plain"]
 
 
 def _correction_kwargs(o, batch):
@@ -71,6 +164,7 @@ class _PolicyOptions:
     tis_cap: float = 2.0
     aggregation: str = "token_mean"
     max_len: int | None = None
+    behaviour: Behaviour = Behaviour()   # set from cfg.rollout.sampling by make_objective
 
 
 @register
@@ -82,7 +176,8 @@ class GRPO(_PolicyOptions):
     kl_beta: float = 0.0
 
     def __call__(self, model, batch, teachers=()):
-        logp_BxT = student_logp(model, batch)
+        # old_logp / ref_logp are scored under the same behaviour (`batch_logprobs`).
+        _, logp_BxT = student_logps(model, batch, self.behaviour)
         return losses.grpo_loss(
             logp_BxT, batch["old_logp"], batch["adv"], batch["mask"], eps_low=self.eps_low,
             eps_high=self.eps_high, ref_logp_BxT=batch.get("ref_logp"), kl_beta=self.kl_beta,
@@ -99,12 +194,20 @@ class KimiMOPD(_PolicyOptions):
     ppo: bool = False            # reuse the batch: PPO ratio/clip, r from lp_old
 
     def __call__(self, model, batch, teachers=()):
-        logp_BxT = student_logp(model, batch)
+        plain_BxT, logp_BxT = student_logps(model, batch, self.behaviour)
+        teacher_BxT = batch["teacher_logp"]
+        if not self.behaviour.plain:
+            # The loss forms r_t = teacher - ref from ref = the behaviour log-prob (lp, or
+            # lp_old with ppo); shift the teacher by sg(ref - ref_plain) so that r_t compares
+            # the teacher with the plain T = 1 student: r_t = teacher - ref_plain.
+            ref_BxT, ref_plain_BxT = ((batch["old_logp"], old_plain_logp(self, batch))
+                                      if self.ppo else (logp_BxT, plain_BxT))
+            teacher_BxT = teacher_BxT + jax.lax.stop_gradient(ref_BxT - ref_plain_BxT)
         loss, metrics = losses.kimi_mopd_loss(
-            logp_BxT, batch["teacher_logp"], batch["mask"], r_max=self.r_max,
+            logp_BxT, teacher_BxT, batch["mask"], r_max=self.r_max,
             old_logp_BxT=batch["old_logp"] if self.ppo else None, eps_low=self.eps_low,
             eps_high=self.eps_high, **_correction_kwargs(self, batch))
-        ratio_BxT = jax.lax.stop_gradient(batch["teacher_logp"] - logp_BxT)
+        ratio_BxT = jax.lax.stop_gradient(batch["teacher_logp"] - plain_BxT)
         metrics |= per_teacher_metrics(
             {"log_ratio": ratio_BxT,
              "clip_frac": (jnp.abs(ratio_BxT) > self.r_max).astype(jnp.float32),
@@ -123,13 +226,19 @@ class GLMCrossStage(_PolicyOptions):
     task_reward_weight: float = 0.0   # > 0 mixes in the task advantage (batch["adv"])
 
     def __call__(self, model, batch, teachers=()):
-        logp_BxT = student_logp(model, batch)
+        _, logp_BxT = student_logps(model, batch, self.behaviour)
         task_adv = batch["adv"] * self.task_reward_weight if self.task_reward_weight else None
+        old_plain_BxT = old_plain_logp(self, batch)
+        # The loss forms lp_old - lp_T from the behaviour lp_old; shift the teacher by
+        # sg(lp_old - lp_old_plain) so the OPD advantage is lp_old_plain - lp_T (T = 1).
+        teacher_BxT = batch["teacher_logp"]
+        if not self.behaviour.plain:
+            teacher_BxT = teacher_BxT + jax.lax.stop_gradient(batch["old_logp"] - old_plain_BxT)
         loss, metrics = losses.glm_opd_loss(
-            logp_BxT, batch["old_logp"], batch["teacher_logp"], batch["mask"],
+            logp_BxT, batch["old_logp"], teacher_BxT, batch["mask"],
             eps_low=self.eps_low, eps_high=self.eps_high, task_adv=task_adv,
             kl_coef=self.kl_coef, **_correction_kwargs(self, batch))
-        ratio_BxT = batch["teacher_logp"] - batch["old_logp"]
+        ratio_BxT = batch["teacher_logp"] - old_plain_BxT
         metrics |= per_teacher_metrics({"log_ratio": ratio_BxT, "reverse_kl_est": -ratio_BxT},
                                        batch["teacher_onehot"], batch["mask"])
         return loss, metrics

@@ -30,11 +30,20 @@ def policy_step(state: TrainState, batch: dict, teachers: tuple = (), *, graphde
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def batch_logprobs(params, rest, batch: dict, *, graphdef) -> dict:
-    """Per-target log-probs and entropy under the training forward (fp32)."""
+def batch_logprobs(params, rest, batch: dict, *, graphdef, behaviour=None) -> dict:
+    """Per-target log-probs and entropy under the training forward (fp32).
+
+    "logp" is under the behaviour distribution (`objectives.Behaviour`, the rollout
+    sampler's temperature / top-k / top-p; plain T = 1 when None or greedy), the one the
+    sampler's log-probs are on; "logp_plain" and "entropy" are at T = 1.
+    """
+    from opd_jax.trainers.objectives import behaviour_logprobs
     model = nnx.merge(graphdef, params, rest)
     logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
-    return {"logp": losses.token_logprobs(logits_BxTxV, batch["targets"]),
+    plain_BxT = losses.token_logprobs(logits_BxTxV, batch["targets"])
+    logp_BxT = plain_BxT if behaviour is None or behaviour.plain else behaviour_logprobs(
+        logits_BxTxV, batch["targets"], behaviour)
+    return {"logp": logp_BxT, "logp_plain": plain_BxT,
             "entropy": losses.token_entropy(logits_BxTxV)}
 
 

@@ -146,7 +146,8 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                  resume_with_changes: bool = False) -> dict:
     # Everything that needs no weights is checked before anything is built or written.
     mesh, rules, tokenizer, model_config = builders.setup(cfg)
-    objective = make_objective(cfg.objective.name, **dict(cfg.objective.options))
+    objective = make_objective(cfg.objective.name, sampling=cfg.rollout.sampling,
+                               **dict(cfg.objective.options))
     builders.policy_rows(cfg, sh.batch_shards(mesh, rules))
     is_opd = cfg.objective.name != "grpo"
     bank = None
@@ -192,7 +193,9 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                 skip_nonfinite=guard.max_bad_steps > 0)
         return step_fns[n_teachers]
 
-    logp_fn = jax.jit(functools.partial(batch_logprobs, graphdef=graphdef))
+    # Old / reference log-probs under the rollout sampler's distribution (IcePop, TIS, PPO).
+    logp_fn = jax.jit(functools.partial(batch_logprobs, graphdef=graphdef,
+                                        behaviour=getattr(objective, "behaviour", None)))
     # Rows per optimizer step; the scoring passes run one such minibatch at a time too
     # (memory bounded like the step's).
     minibatch_rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // cfg.rl.minibatches
@@ -279,6 +282,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
             batch = sh.shard_batch(batch, mesh, rules)
             lp = score(state.params, state.rest, batch)
             batch["old_logp"] = lp["logp"]
+            batch["old_logp_plain"] = lp["logp_plain"]    # T = 1: the OPD teacher comparison
             metrics["entropy"] = float(losses.masked_mean(lp["entropy"], batch["mask"]))
             if ref_params is not None:
                 batch["ref_logp"] = score(ref_params, state.rest, batch)["logp"]
