@@ -221,7 +221,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                                        seed=cfg.eval.seed, batch_size=cfg.eval.batch_size)
         return rows, heldout_metrics(rows, cell_keys)
     sampling = SamplingConfig(**dict(cfg.rollout.sampling))
-    writer = MetricsWriter(workdir)
+    writer = MetricsWriter(workdir, resume_step=start)   # iterations done
     meta = {"model": model_meta, "kind": cfg.objective.name,
             "tokenizer": builders.tokenizer_meta(cfg.tokenizer, tokenizer)}
     history, eval_rows = [], None

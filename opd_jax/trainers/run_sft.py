@@ -167,7 +167,7 @@ def train_sft(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = 
                               grad_accum=cfg.optim.grad_accum),
             shardings, mesh, skip_nonfinite=max_bad > 0)
         guard = DivergenceGuard(max_bad, lr=cfg.optim.lr)
-        writer = MetricsWriter(workdir)
+        writer = MetricsWriter(workdir, resume_step=start)
     except BaseException:
         ckpt.close()
         raise
