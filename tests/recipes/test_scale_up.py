@@ -7,7 +7,7 @@ import pytest
 
 from opd_jax.config import load_config
 from opd_jax.models import ModelConfig
-from opd_jax.recipes import recipe_module, scale_up
+from opd_jax.recipes import recipe_module, scale_estimate, scale_up
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESETS = [(r, p) for r in ("kimi_k3", "glm", "deepseek_v4") for p in scale_up.MESHES]
@@ -21,13 +21,13 @@ def _load(recipe, preset, *overrides):
 @pytest.fixture(scope="module")
 def estimates():
     """Every preset's rows, once (the full-depth traces are tested separately)."""
-    return {(r, p): scale_up.estimate(_load(r, p), trace=False) for r, p in PRESETS}
+    return {(r, p): scale_estimate.estimate(_load(r, p), trace=False) for r, p in PRESETS}
 
 
 def test_sharded_bytes_split_over_fsdp():
     cfg = ModelConfig.preset("qwen3-1.7b")
     assert cfg.num_params() == pytest.approx(1.72e9, rel=0.01)     # Qwen3-1.7B
-    per_device = scale_up.params_bytes(cfg, (4, 8, 1), scale_up.sh.DEFAULT_RULES)
+    per_device = scale_estimate.params_bytes(cfg, (4, 8, 1), scale_estimate.sh.DEFAULT_RULES)
     total = cfg.num_params() * 4
     # fsdp=8 shards every large matrix; only norms (tiny) stay replicated; data=4 replicates.
     assert total / 8 <= per_device <= total / 8 * 1.01
@@ -38,7 +38,7 @@ def test_preset_builds_and_estimates(estimates, recipe, preset):
     c = _load(recipe, preset)
     mesh = scale_up.MESHES[preset]
     rows = estimates[(recipe, preset)]
-    assert [r["stage"] for r in rows] == [s.name for s in scale_up.plan(c)]
+    assert [r["stage"] for r in rows] == [s.name for s in scale_estimate.plan(c)]
     student = next(r for r in rows if r["stage"] == "student")
     assert student["model"].vocab_size == 151936
     assert student["model"].hidden_size == 2048 and student["model"].param_dtype == "float32"
@@ -68,7 +68,7 @@ def test_preset_builds_and_estimates(estimates, recipe, preset):
         assert by["teacher_sft"]["model"].hidden_size == 4096
         assert all(by[n]["model"].hidden_size == 4096 for n in by
                    if n.startswith(("rl_", "spec_")))
-    md = scale_up.table(rows)
+    md = scale_estimate.table(rows)
     assert f"| {mesh.hbm_gib:.0f} |" in md and "| student | opd | qwen3-1.7b |" in md
 
 
@@ -89,18 +89,18 @@ def test_remat_estimate_keeps_layer_inputs_and_recomputes_one_layer():
     bf16 [rows, T, D] input, and one layer's activations (its [H, T, T] attention too) are
     counted once, for its recomputation in the backward."""
     c = _load("glm", "scale_8xh100")
-    stages = scale_up.plan(c)
-    models = scale_up.stage_models(stages)
+    stages = scale_estimate.plan(c)
+    models = scale_estimate.stage_models(stages)
     student = next(s for s in stages if s.name == "student")
-    mesh_shape, rules = tuple(student.config.mesh.shape), scale_up._rules(student.config)
-    geo = scale_up.geometry(student, scale_up.abstract_mesh(mesh_shape))
+    mesh_shape, rules = tuple(student.config.mesh.shape), scale_estimate._rules(student.config)
+    geo = scale_estimate.geometry(student, scale_estimate.abstract_mesh(mesh_shape))
     dims = tuple((0, 0) for _ in dict.fromkeys(student.teachers.values()))
     model = models["student"]
     L, T, D, H = model.num_layers, geo.seq, model.hidden_size, model.num_heads
 
     def act(m):
-        return scale_up.activation_bytes("opd", scale_up._stage_key(student), m, geo.micro, T,
-                                         dims, mesh_shape, rules)
+        return scale_estimate.activation_bytes("opd", scale_estimate._stage_key(student), m,
+                                               geo.micro, T, dims, mesh_shape, rules)
 
     remat, plain = act(model), act(model.replace(remat="none"))
     deeper = act(model.replace(num_layers=L + 4))
@@ -111,22 +111,22 @@ def test_remat_estimate_keeps_layer_inputs_and_recomputes_one_layer():
     assert remat["attention"] >= 2 * geo.micro * H * T * T * 4
     assert remat["recompute"] >= remat["attention"]
     # Without remat the stage does not fit the 80 GiB of an H100; with it, easily.
-    assert plain["total"] > 80 * scale_up.GIB > 4 * remat["total"]
+    assert plain["total"] > 80 * scale_estimate.GIB > 4 * remat["total"]
 
 
 def test_traced_steps_compose():
     c = _load("deepseek_v4", "scale_8xh100")
-    stages = scale_up.plan(c)
-    models = scale_up.stage_models(stages)
+    stages = scale_estimate.plan(c)
+    models = scale_estimate.stage_models(stages)
     student = next(s for s in stages if s.name == "student")
-    geo = scale_up.geometry(student, scale_up.abstract_mesh(student.config.mesh.shape))
+    geo = scale_estimate.geometry(student, scale_estimate.abstract_mesh(student.config.mesh.shape))
     dims = tuple((models[ref].hidden_size, models[ref].vocab_size)
                  for ref in dict.fromkeys(student.teachers.values()))
     # Real widths, vocab and batch; 2 of the 28 (identical) layers to keep the test fast
     # (`python -m opd_jax.recipes.scale_up` traces every stage at full depth).
-    t = scale_up.trace_stage("opd", scale_up._stage_key(student),
-                             models["student"].replace(num_layers=2), geo.micro, geo.accum,
-                             geo.seq, dims)
+    t = scale_estimate.trace_stage("opd", scale_estimate._stage_key(student),
+                                   models["student"].replace(num_layers=2), geo.micro, geo.accum,
+                                   geo.seq, dims)
     assert t["forward"] == f"hidden [{geo.micro}, {geo.seq}, 2048]"
     assert t["per_token"] == f"full-vocab reverse KL [{geo.micro * geo.seq}]"
     assert t["loss"] == []
@@ -137,16 +137,16 @@ def test_teacher_with_another_vocab_is_refused():
               "--config.teacher.model.vocab_size=152064")
     with pytest.raises(ValueError, match="stage 'student': teacher '.*' \\(stage 'rl_.*'\\) has "
                                          "vocab_size 152064, expected the student's 151936"):
-        scale_up.estimate(c, trace=False)
+        scale_estimate.estimate(c, trace=False)
     # A stage whose model section disagrees with the checkpoint it starts from is refused too.
     c = _load("kimi_k3", "scale_8xh100", "--config.teacher.model.num_layers=28")
     with pytest.raises(ValueError, match="model section differs from stage 'teacher_sft'"):
-        scale_up.estimate(c, trace=False)
+        scale_estimate.estimate(c, trace=False)
 
 
 def test_estimate_needs_a_scale_preset():
     with pytest.raises(ValueError, match="has no `scale` section"):
-        scale_up.estimate(_load("glm", "smoke"))
+        scale_estimate.estimate(_load("glm", "smoke"))
     with pytest.raises(KeyError, match="scale preset 'scale_tpu'"):
         scale_up.apply_scale(_load("glm", "smoke").unlock(), "scale_tpu")
 
