@@ -92,7 +92,7 @@ def specialist_start(c: ml_collections.ConfigDict, stages: list[Stage], seed: in
                      families: dict, efforts, start: str) -> str:
     """Where a teacher's RL starts: `start`, or a specialist SFT stage `name` on its cells.
 
-    With ``c.specialist_sft.train.steps > 0`` (DESIGN's "each teacher: SFT cold start + RL"),
+    With ``c.specialist_sft.train.steps > 0`` (every teacher gets its own SFT cold start, then RL),
     stage `name` fine-tunes `start` on the demos of `families` x `efforts` alone and is
     appended to `stages`; the caller starts the teacher's GRPO from it. At toy scale this is
     what makes a teacher better than the shared cold start: 20-40 GRPO iterations alone do
