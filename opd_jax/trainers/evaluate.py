@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -84,6 +85,48 @@ def evaluate_model(model, tokenizer, families: Mapping[str, str],
     sampling = sampling or SamplingConfig(temperature=0.0)
     tasks = heldout_tasks(families, efforts, n=n, seed=seed, difficulty=difficulty)
     return evaluate_tasks(model, tokenizer, tasks, sampling, seed=seed, batch_size=batch_size)
+
+
+def heldout_metrics(rows: list[dict], cell_keys: dict[str, str]) -> dict:
+    """heldout/<cell>/{reward,pass_rate,length}, heldout/reward, teacher/<key>/heldout_reward."""
+    out = {"heldout/reward": float(np.mean([r["reward"] for r in rows]))}
+    by_key = defaultdict(list)
+    for r in rows:
+        for k in ("reward", "pass_rate", "length"):
+            out[f"heldout/{r['cell']}/{k}"] = r[k]
+        if r["cell"] in cell_keys:
+            by_key[cell_keys[r["cell"]]].append(r["reward"])
+    out |= {f"teacher/{k}/heldout_reward": float(np.mean(v)) for k, v in by_key.items()}
+    return out
+
+
+class HeldOut:
+    """A policy trainer's held-out evaluation: `cfg.eval.n` eval-split tasks for each
+    (domain, family, effort) cell of the run, played with `cfg.eval.sampling`.
+
+    `cell_weights` maps "domain/effort" to its teacher weights (OPD runs): a cell's
+    held-out reward is also reported under the teacher with the largest weight there.
+    ``rows, metrics = heldout(model)``.
+    """
+
+    def __init__(self, cfg, cells: Sequence[tuple[str, str, str]], tokenizer,
+                 cell_weights: Mapping[str, Mapping[str, float]] | None = None):
+        self.tokenizer, self.cfg = tokenizer, cfg
+        self.tasks = [t for d, fam, e in cells
+                      for t in heldout_tasks({d: fam}, (e,), n=cfg.eval.n,
+                                             seed=cfg.tasks.seed + cfg.eval.seed,
+                                             difficulty=cfg.tasks.difficulty)]
+        self.sampling = SamplingConfig(**dict(cfg.eval.sampling))
+        self.cell_keys = {c: max(w, key=w.get) for c, w in (cell_weights or {}).items()}
+
+    def due(self, done: int, steps: int) -> bool:
+        """Evaluate after iteration `done`: every `eval.every` iterations and at the end."""
+        return bool(self.cfg.eval.every and done % self.cfg.eval.every == 0) or done == steps
+
+    def __call__(self, model) -> tuple[list[dict], dict]:
+        rows = evaluate_tasks(model, self.tokenizer, self.tasks, self.sampling,
+                              seed=self.cfg.eval.seed, batch_size=self.cfg.eval.batch_size)
+        return rows, heldout_metrics(rows, self.cell_keys)
 
 
 def format_rows(rows: Sequence[dict], title: str | None = None) -> str:

@@ -4,7 +4,8 @@ Legend: B rows, T targets, V vocab, D student hidden, E teacher hidden, S teache
 
 An objective is a frozen dataclass called as ``objective(model, batch, teachers) ->
 (loss, metrics)`` inside the jitted step. `batch` is a sequence batch
-(:mod:`opd_jax.trainers.sequences`) plus what the objective lists in ``needs``;
+(:mod:`opd_jax.trainers.sequences`) plus what the objective declares in ``needs`` (a
+`Needs`; the driver reads it and never switches on names; docs/objectives.md);
 `teachers` is a tuple of teacher unembedding matrices (only the full-vocab objective uses
 it). Sampled-token objectives (grpo, kimi_mopd, glm_cross_stage) score the student with full
 logits; the full-vocab objective never builds [B, T, V] logits: it feeds the student's and
@@ -33,10 +34,81 @@ from opd_jax import losses
 
 OBJECTIVES: dict[str, type] = {}
 
+TEACHER_KINDS = ("none", "logp", "hidden")
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What an objective reads, as data: the driver (`run_policy.train_policy`) builds the
+    batch from this and checks the config against it before any work; it never tests an
+    objective's name.
+
+    teacher:        "none" (no teacher bank), "logp" (batch["teacher_logp"] [B, T] and
+                    batch["teacher_onehot"] [B, S]) or "hidden" (batch["teacher_hidden"]
+                    S x [B, T, E_s], batch["teacher_weights"] [B, S], and the S teacher
+                    unembeddings as the step's `teachers` argument).
+    mixture:        teachers.routing="mixture" (several teachers weighted per row) allowed;
+                    False means one teacher per episode.
+    min_group_size: the smallest cfg.rollout.group_size that makes sense (GRPO's group
+                    advantage needs 2; OPD works with 1).
+    reference:      the name of the objective's option whose value > 0 turns on a KL to the
+                    frozen initial policy (batch["ref_logp"]); None when it has none.
+    old_logp:       batch["old_logp"] / ["old_logp_plain"] (the training forward before the
+                    update, under the sampler's distribution and at T = 1). Every batch also
+                    has inputs, targets, mask, segment_ids, sampler_logp and adv [B].
+    """
+    teacher: str = "none"
+    mixture: bool = False
+    min_group_size: int = 1
+    reference: str | None = None
+    old_logp: bool = True
+
+    def __post_init__(self):
+        if self.teacher not in TEACHER_KINDS:
+            raise ValueError(f"Needs.teacher={self.teacher!r}: expected one of {TEACHER_KINDS}")
+        if self.mixture and self.teacher == "none":
+            raise ValueError("Needs.mixture=True needs a teacher ('logp' or 'hidden')")
+
+    def wants_reference(self, objective) -> bool:
+        """True when `objective`'s reference option is on (> 0)."""
+        return self.reference is not None and getattr(objective, self.reference) > 0
+
+    def check(self, name: str, cfg) -> None:
+        """Refuse a config this objective cannot run, naming the value and what it expects."""
+        G = cfg.rollout.group_size
+        if G < self.min_group_size:
+            raise ValueError(f"objective {name!r} needs rollout.group_size >= "
+                             f"{self.min_group_size} (its advantage compares episodes of a "
+                             f"group); got group_size={G}")
+        if self.teacher == "none":
+            return
+        routing = cfg.teachers.routing
+        if routing == "mixture" and not self.mixture:
+            mix = sorted(n for n, c in OBJECTIVES.items() if c.needs.mixture)
+            raise ValueError(f"objective {name!r} scores each episode with one teacher; "
+                             f"teachers.routing={routing!r} weights several per episode. Use "
+                             f"routing 'cell', 'domain' or 'table', or an objective that "
+                             f"allows mixtures: {mix}")
+        if not dict(cfg.teachers.paths):
+            raise ValueError(f"objective {name!r} needs teachers (Needs.teacher="
+                             f"{self.teacher!r}); teachers.paths is empty")
+
 
 def register(cls):
+    """Class decorator: add an objective to the registry under ``cls.name``. The class
+    declares ``name: ClassVar[str]`` and ``needs: ClassVar[Needs]``."""
+    if not isinstance(getattr(cls, "needs", None), Needs):
+        raise TypeError(f"objective {cls.__name__}: `needs` must be a Needs(...), got "
+                        f"{getattr(cls, 'needs', None)!r}")
     OBJECTIVES[cls.name] = cls
     return cls
+
+
+def needs_of(name: str) -> Needs:
+    """The `Needs` of the registered objective `name` (e.g. for the scale-up estimator)."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; available: {', '.join(sorted(OBJECTIVES))}")
+    return OBJECTIVES[name].needs
 
 
 def make_objective(name: str, *, sampling=None, **kwargs) -> Any:
@@ -172,7 +244,7 @@ class _PolicyOptions:
 class GRPO(_PolicyOptions):
     """GRPO / DAPO / Dr.GRPO policy loss with IcePop or TIS (see `losses.grpo_loss`)."""
     name: ClassVar[str] = "grpo"
-    needs: ClassVar[tuple] = ("old_logp", "adv")
+    needs: ClassVar[Needs] = Needs(min_group_size=2, reference="kl_beta")
     kl_beta: float = 0.0
 
     def __call__(self, model, batch, teachers=()):
@@ -189,7 +261,7 @@ class GRPO(_PolicyOptions):
 class KimiMOPD(_PolicyOptions):
     """Kimi K3 MOPD: routed teacher, r = clip(sg(lp_T - lp), -r_max, r_max) per token."""
     name: ClassVar[str] = "kimi_mopd"
-    needs: ClassVar[tuple] = ("old_logp", "teacher_logp", "teacher_onehot")
+    needs: ClassVar[Needs] = Needs(teacher="logp")
     r_max: float = 5.0
     ppo: bool = False            # reuse the batch: PPO ratio/clip, r from lp_old
 
@@ -221,7 +293,7 @@ class KimiMOPD(_PolicyOptions):
 class GLMCrossStage(_PolicyOptions):
     """GLM cross-stage OPD: A_t = task_adv - kl_coef (lp_old - lp_T) in the PPO surrogate."""
     name: ClassVar[str] = "glm_cross_stage"
-    needs: ClassVar[tuple] = ("old_logp", "teacher_logp", "teacher_onehot")
+    needs: ClassVar[Needs] = Needs(teacher="logp")
     kl_coef: float = 1.0
     task_reward_weight: float = 0.0   # > 0 mixes in the task advantage (batch["adv"])
 
@@ -254,7 +326,7 @@ class DeepSeekFullVocab:
     [E_s, V]; `batch["teacher_weights"]` [B, S] sums to 1 per row.
     """
     name: ClassVar[str] = "deepseek_full_vocab"
-    needs: ClassVar[tuple] = ("teacher_hidden", "teacher_weights")
+    needs: ClassVar[Needs] = Needs(teacher="hidden", mixture=True, old_logp=False)
     temperature: float = 1.0
     implementation: str = "auto"
 
