@@ -14,6 +14,7 @@ import os
 import ml_collections
 import numpy as np
 
+from opd_jax.plotting.recipes import plot_seed_lines
 from opd_jax.recipes.kimi_k3 import specialist_start, stage_config
 from opd_jax.recipes.pipeline import Stage
 
@@ -99,26 +100,8 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
     md += ["", "![stages](stages.png)", ""]
     with open(os.path.join(workdir, "results.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(md))
-    _plot_stages(os.path.join(workdir, "stages.png"), per_seed, line[:-1], domains, dom)
+    points = line[:-1]
+    plot_seed_lines(os.path.join(workdir, "stages.png"), [s.replace("_", " ") for s in points],
+                    {d: [[dom(r, s, d) for s in points] for r in per_seed] for d in domains},
+                    title="glm: forgetting across RL stages, recovery by cross-stage OPD")
     return results
-
-
-def _plot_stages(path, per_seed, line, domains, dom) -> str:
-    from opd_jax.recipes.report import _plt
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    x = np.arange(len(line))
-    for d in domains:
-        ys = np.asarray([[dom(r, s, d) for s in line] for r in per_seed])
-        ax.errorbar(x, ys.mean(0), yerr=ys.std(0) if len(ys) > 1 else None, marker="o",
-                    capsize=3, label=d)
-    ax.set_xticks(x, [s.replace("_", " ") for s in line], rotation=20)
-    ax.set_ylabel("held-out reward")
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title("glm: forgetting across RL stages, recovery by cross-stage OPD")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -2,16 +2,17 @@
 
 Each evaluated (stage, cells, difficulty) is cached in the stage folder as
 ``eval_<tag>.json``, so re-running a finished experiment only rebuilds its report.
-Plots use matplotlib's Agg backend (files only, no screen).
+The plots (``plot_curves``, ``plot_bars``) are :mod:`opd_jax.plotting.recipes`'.
 """
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from opd_jax.plotting.recipes import plot_bars, plot_curves  # noqa: F401  (rp.plot_*)
 from opd_jax.recipes.pipeline import stage_dir
 
 
@@ -92,64 +93,3 @@ def curve(workdir: str, stage: str, key: str) -> tuple[list[int], list[float]]:
             pts[m["step"]] = m[key]          # a resumed run may log a step twice: last wins
     steps = sorted(pts)
     return steps, [pts[s] for s in steps]
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def plot_curves(path: str, panels: Mapping[str, Sequence[dict]], *, title: str,
-                ylabel: str = "held-out reward") -> str:
-    """One panel per cell; each line {"x", "y", "label"}; each hline {"y", "label"} dashed."""
-    plt = _plt()
-    n = len(panels)
-    cols = min(3, n)
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
-    for ax, (name, lines) in zip(axes.flat, panels.items()):
-        for ln in lines:
-            if "x" in ln:
-                ax.plot(ln["x"], ln["y"], marker="o", ms=3, label=ln["label"])
-            else:
-                ax.axhline(ln["y"], ls="--", lw=1, color=ln.get("color", "k"), label=ln["label"])
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("iteration")
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(-0.05, 1.05)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def plot_bars(path: str, groups: Sequence[str], series: Mapping[str, Sequence[float]], *,
-              title: str, ylabel: str, hline: float | None = None,
-              errors: Mapping[str, Sequence[float]] | None = None) -> str:
-    """Grouped bars: one group per cell, one bar per series (e.g. student, merge)."""
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(groups) * len(series)), 3.6))
-    width = 0.8 / max(len(series), 1)
-    x = np.arange(len(groups))
-    for i, (name, vals) in enumerate(series.items()):
-        err = (errors or {}).get(name)
-        ax.bar(x + (i - (len(series) - 1) / 2) * width, vals, width, yerr=err, capsize=3,
-               label=name)
-    if hline is not None:
-        ax.axhline(hline, ls="--", color="k", lw=1)
-    ax.set_xticks(x, groups, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
