@@ -54,7 +54,7 @@ class KVCache:
     (ValueError naming index, T and the length) whenever index is concrete: an eager
     call, or a Python int. Under jit the index is traced and not checked (a device-side
     check would cost every decode step): jitted callers keep room themselves, as the
-    rollout engine does (`generate` and `multiturn` refuse prompts that do not fit
+    rollout engine does (`generate` and `play` refuse prompts that do not fit
     before any work; `decode` stops at ``index + 1 < max_len``), and an overflow left
     ``index > max_len`` in the returned cache, so ``int(cache.index) <= cache.max_len``
     checks a jitted call afterwards.

@@ -160,7 +160,8 @@ def extend(model, state: RolloutState, chunk_BxW, mask_BxW, *, start_turn_B=None
     """Append right-aligned token chunks (left-padded by mask 0) to every row.
 
     The row's pending token is forwarded first, then all chunk columns but the last; the
-    last real column becomes the new pending token. `start_turn_B` rows begin a new turn
+    last real column becomes the new pending token (a row with an empty chunk keeps its
+    pending token, unforwarded). `start_turn_B` rows begin a new turn
     (active, generation count 0, limit `max_new_B`) before the chunk is read.
     `response_BxW` / `logp_BxW` mark replayed generated tokens (WAL resume): they count as
     generated tokens of the current turn and keep their log-probs; `forced_BxW` marks
@@ -181,9 +182,13 @@ def extend(model, state: RolloutState, chunk_BxW, mask_BxW, *, start_turn_B=None
     s = s.replace(active_B=s.active_B | start_B, gen_B=jnp.where(start_B, 0, s.gen_B),
                   finish_B=jnp.where(start_B, 0, s.finish_B),
                   window_BxM=jnp.where(start_B[:, None], _NO_MATCH, s.window_BxM))
-    # forward [pending, chunk[:, :-1]]: W columns starting at the shared write index
+    # forward [pending, chunk[:, :-1]]: W columns starting at the shared write index. A row
+    # with nothing appended keeps its pending token pending (a turn may begin without an
+    # observation: decode forwards it then).
+    has_B = jnp.any(mask_BxW, axis=1)
     fwd_tok_BxW = jnp.concatenate([s.pending_B[:, None], chunk_BxW[:, :-1]], axis=1)
-    fwd_mask_BxW = jnp.concatenate([s.pending_valid_B[:, None], mask_BxW[:, :-1]], axis=1)
+    fwd_mask_BxW = jnp.concatenate([(s.pending_valid_B & has_B)[:, None], mask_BxW[:, :-1]],
+                                   axis=1)
     fwd_pos_BxW = s.pos_B[:, None] + jnp.cumsum(fwd_mask_BxW, axis=1) - 1
     _, cache = _forward(model, fwd_tok_BxW, jnp.maximum(fwd_pos_BxW, 0), fwd_mask_BxW, s.cache)
     index = s.cache.index
@@ -203,7 +208,6 @@ def extend(model, state: RolloutState, chunk_BxW, mask_BxW, *, start_turn_B=None
     (in_think, count, gen, window), _ = lax.scan(
         scan_one, (s.in_think_B, s.think_count_B, s.gen_B, s.window_BxM),
         (chunk_BxW.T, mask_BxW.T, response_BxW.T))
-    has_B = jnp.any(mask_BxW, axis=1)
     return s.replace(
         cache=cache,
         tokens_BxS=put(s.tokens_BxS, chunk_BxW, mask_BxW),
@@ -212,10 +216,10 @@ def extend(model, state: RolloutState, chunk_BxW, mask_BxW, *, start_turn_B=None
         forced_BxS=put(s.forced_BxS, forced_BxW, mask_BxW),
         logp_BxS=put(s.logp_BxS, jnp.where(response_BxW, logp_BxW, 0.0), mask_BxW),
         pending_B=jnp.where(has_B, chunk_BxW[:, -1], s.pending_B),
-        pending_valid_B=has_B,
+        pending_valid_B=has_B | s.pending_valid_B,
         pos_B=s.pos_B + jnp.sum(fwd_mask_BxW, axis=1),
         in_think_B=in_think, think_count_B=count, gen_B=gen, window_BxM=window,
-        active_B=s.active_B & has_B)
+        active_B=s.active_B & (has_B | s.pending_valid_B))
 
 
 def _decode_step(model, s: RolloutState, params: SamplingParams) -> RolloutState:

@@ -5,7 +5,9 @@ One append-only file per job. A record is framed as
     u32 length | u32 crc32(payload) | payload         (little endian)
 
 and the payload's first byte is its kind: HEADER (JSON: the job's identity), TOKEN (row,
-position, token, logp), FINISH (row, reason) or COMMIT (chunk number). `generate_logged`
+position, token, logp), FINISH (row, reason), TURN (row, turn: a multi-turn episode's
+environment stepped on that turn; written by `opd_jax.trainers.episodes.play`) or COMMIT
+(chunk number). `generate_logged`
 decodes `steps_per_call` steps at a time; after each chunk it appends the chunk's tokens,
 the rows that finished, and a COMMIT, then fsyncs once. Durability window: one chunk (at
 most `steps_per_call` tokens per row are lost by a kill; they are regenerated, identically).
@@ -33,11 +35,13 @@ from opd_jax.rollout import engine
 from opd_jax.rollout.api import ALL_STEPS, bucket
 from opd_jax.rollout.sampling import FinishReason, SamplingParams
 
-HEADER, TOKEN, FINISH, COMMIT = 1, 2, 3, 4
+HEADER, TOKEN, FINISH, COMMIT, TURN = 1, 2, 3, 4, 5
 _FRAME = struct.Struct("<II")
 _TOKEN = struct.Struct("<BiiIfB")  # kind, row, position, token, logp, forced
 _FINISH = struct.Struct("<BiB")    # kind, row, reason
 _COMMIT = struct.Struct("<BI")     # kind, chunk
+_TURN = struct.Struct("<BiI")      # kind, row, turn (multi-turn: the environment stepped it)
+_BODY = {TOKEN: _TOKEN, FINISH: _FINISH, TURN: _TURN}
 _MAX_RECORD = 1 << 20
 
 
@@ -67,6 +71,10 @@ class TokenLog:
     def append_finish(self, row: int, reason: int) -> None:
         self.buffer.append(frame(_FINISH.pack(FINISH, row, reason)))
 
+    def append_turn(self, row: int, turn: int) -> None:
+        """Row `row`'s turn `turn` is complete and its environment has stepped on it."""
+        self.buffer.append(frame(_TURN.pack(TURN, row, turn)))
+
     def commit(self) -> None:
         self.buffer.append(frame(_COMMIT.pack(COMMIT, self.chunks)))
         self.chunks += 1
@@ -79,14 +87,14 @@ class TokenLog:
         self.file.close()
 
 
-def replay(path) -> tuple[dict | None, dict[int, list], dict[int, int], int]:
-    """Committed content: (header, {row: [(position, token, logp, forced)]}, {row: reason},
-    end).
+def read_log(path) -> tuple[dict | None, list[tuple], int]:
+    """Committed content in order: (header, records, end).
 
-    `end` is the byte offset after the last COMMIT (where appending resumes).
+    records: (kind, *fields) for each TOKEN (row, position, token, logp, forced), FINISH
+    (row, reason) and TURN (row, turn) record of a committed chunk. `end` is the byte
+    offset after the last COMMIT (where appending resumes).
     """
-    header, tokens, finished, end = None, {}, {}, 0
-    staged_t, staged_f = [], []
+    header, records, staged, end = None, [], [], 0
     with open(path, "rb") as f:
         data = f.read()
     off = 0
@@ -100,17 +108,27 @@ def replay(path) -> tuple[dict | None, dict[int, list], dict[int, int], int]:
         kind = payload[0]
         if kind == HEADER:
             header = json.loads(payload[1:].decode())
-        elif kind == TOKEN and len(payload) == _TOKEN.size:
-            staged_t.append(_TOKEN.unpack(payload)[1:])
-        elif kind == FINISH and len(payload) == _FINISH.size:
-            staged_f.append(_FINISH.unpack(payload)[1:])
+        elif kind in _BODY and len(payload) == _BODY[kind].size:
+            staged.append(_BODY[kind].unpack(payload))
         elif kind == COMMIT and len(payload) == _COMMIT.size:
-            for row, pos, tok, lp, forced in staged_t:
-                tokens.setdefault(row, []).append((pos, tok, lp, bool(forced)))
-            finished.update(dict(staged_f))
-            staged_t, staged_f, end = [], [], off
+            records += staged
+            staged, end = [], off
         else:
             break
+    return header, records, end
+
+
+def replay(path) -> tuple[dict | None, dict[int, list], dict[int, int], int]:
+    """Committed content of a single-turn job: (header, {row: [(position, token, logp,
+    forced)]}, {row: reason}, end)."""
+    header, records, end = read_log(path)
+    tokens, finished = {}, {}
+    for kind, row, *rest in records:
+        if kind == TOKEN:
+            pos, tok, lp, forced = rest
+            tokens.setdefault(row, []).append((pos, tok, lp, bool(forced)))
+        elif kind == FINISH:
+            finished[row] = rest[0]
     return header, tokens, finished, end
 
 
@@ -224,4 +242,4 @@ def _log_chunk(log: TokenLog, state: engine.RolloutState, before: int, after: in
     log.commit()
 
 
-__all__ = ["ALL_STEPS", "TokenLog", "frame", "generate_logged", "replay"]
+__all__ = ["ALL_STEPS", "TokenLog", "frame", "generate_logged", "read_log", "replay"]

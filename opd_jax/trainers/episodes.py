@@ -1,18 +1,33 @@
-"""Play tasks with a policy model: batched sampling turns and environment steps.
+"""Play tasks with a policy model: the one episode runner of training, evaluation and recipes.
 
 Each task becomes one episode: its rendered prompt (student or teacher role), then turns of
 sampled tokens and environment observations until the environment says done or
 `max_turns` is reached. The result keeps, per episode, the prompt ids, the response ids
 (sampled tokens and observation tokens interleaved), a response mask (1 on sampled tokens,
-0 on observations and on tokens the sampler forced, so losses never train on them), the sampler's log-prob of
-each sampled token, the reward and the environment's info.
+0 on observations and on tokens the sampler forced, so losses never train on them), the
+sampler's log-prob of each sampled token, the reward and the environment's info.
 
-Each turn re-prefills the episode's context (simple and exact); the rollout engine's
-`opd_jax.rollout.multiturn` keeps the KV cache across turns and is the faster path.
+It runs on the rollout engine (`opd_jax.rollout.engine`) with one KV cache for the whole
+episode: the prompts are prefilled once, each decode turn samples every live row in one
+`while_loop`, and an observation is appended to the cache (only its tokens are forwarded;
+the history is never re-prefilled). When the cache's shared slots would run out, the
+histories are re-prefilled into a larger cache (exact: positions are per row, and the
+token at position p of row r always draws the uniform of (seed, r, p)).
+
+With `wal_path`, every `steps_per_call` decode steps the new tokens are appended to a
+token write-ahead log (`opd_jax.rollout.wal`), with each row's turn end and each
+environment step. A killed job called again with the same arguments replays the log:
+finished turns are re-stepped through fresh environments (they are deterministic), the
+history and the unfinished turn are teacher-forced into the cache, and sampling goes on
+from the next position. No logged token is generated again and the episodes equal an
+uninterrupted run's.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,7 +54,6 @@ class Episode:
         return int(sum(self.response_mask))
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
     max_new_tokens: int = 64
@@ -54,85 +68,310 @@ def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig, *,
-         seed: int, role: str = "student", mesh=None) -> list[Episode]:
-    """Run every task to completion; sampling is batched across the episodes of a turn.
+def cell_of(task: envs.Task) -> str:
+    return f"{task.domain}/{task.effort}"
 
-    mesh: shard the rows and KV cache of each turn's sampling over it (`generate(mesh=)`;
-    the model must be placed on the same mesh). Without it the sampler runs replicated.
+
+def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig, *,
+         seed: int, role: str = "student", mesh=None, wal_path: str | None = None,
+         steps_per_call: int = 16, identity: dict | None = None) -> list[Episode]:
+    """Run every task to completion; rows of all episodes decode together.
+
+    mesh: shard the rows and KV cache over it (the model must be placed on the same mesh);
+    without it the engine runs replicated. wal_path: log tokens every `steps_per_call`
+    decode steps and resume from the log if it holds this job's records (`identity`, e.g.
+    the training iteration, is part of the job's identity with the tasks and sampling).
     """
-    from opd_jax.rollout import generate
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    environments = [envs.make_env(t) for t in tasks]
-    episodes = [Episode(t, bos + encode(tokenizer, e.reset(t, role=role)))
-                for t, e in zip(tasks, environments)]
-    stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
-    stop_strings = sorted({s for e in environments for s in getattr(e, "stop_strings", ())})
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    for turn in range(sampling.max_turns):
-        # After the first turn a long multi-turn context may outgrow the model's positions:
-        # each turn samples at most the room left, and an episode with no room ends there
-        # (finish "context_full"; its reward is the last step's), as does one whose next
-        # observation would leave no room to answer. The first turn's prompt
-        # must fit with max_new_tokens (generate raises, naming it).
-        new_tokens = {}
-        for i, ep in enumerate(episodes):
-            if ep.done:
-                continue
-            room = sampling.max_new_tokens
-            if max_pos and turn > 0:
-                room = min(room, max_pos - len(ep.prompt_ids) - len(ep.response_ids))
-                if room < 1:
-                    ep.done, ep.finish = True, "context_full"
-                    continue
-            new_tokens[i] = room
-        live = list(new_tokens)
-        if not live:
-            break
-        budgets = [envs.effort_spec(episodes[i].task).think_budget
-                   if sampling.use_think_budget else None for i in live]
-        res = generate(model, [episodes[i].prompt_ids + episodes[i].response_ids for i in live],
-                       max_new_tokens=[new_tokens[i] for i in live],
-                       temperature=sampling.temperature, top_k=sampling.top_k,
-                       top_p=sampling.top_p, stop_token_ids=stop_ids,
-                       stop_strings=stop_strings, tokenizer=tokenizer, think_budget=budgets,
-                       seed=seed * 1000 + turn, row_ids=np.asarray(live, np.int32), mesh=mesh)
-        forced = _forced_flags(res)
-        texts = [tokenizer.decode(toks, skip_special_tokens=False).replace(
-                 tokenizer.eos_token or "\0", "") for toks in res.tokens]
+    if wal_path is not None and mesh is not None:
+        raise ValueError("play(mesh=..., wal_path=...) is not supported: the token log is "
+                         "written by one process; pass wal_path=None on a mesh")
+    if steps_per_call < 1:
+        raise ValueError(f"steps_per_call={steps_per_call}: expected >= 1")
+    return _Play(model, tokenizer, list(tasks), sampling, seed=seed, role=role,
+                 mesh=mesh).run(wal_path, steps_per_call, identity or {})
+
+
+class _Play:
+    def __init__(self, model, tokenizer, tasks, sampling: SamplingConfig, *, seed, role, mesh):
+        from opd_jax.rollout.api import check_prompts, stop_sequences, think_ids
+        from opd_jax.rollout.sampling import NO_BUDGET, NO_TOKEN, SamplingParams
+        if not tasks:
+            raise ValueError("play() got no tasks; expected at least one")
+        self.model, self.tok, self.sampling, self.seed, self.mesh = (model, tokenizer,
+                                                                      sampling, seed, mesh)
+        self.tasks, self.role, self.B = tasks, role, len(tasks)
+        self.envs = [envs.make_env(t) for t in tasks]
+        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        self.eps = [Episode(t, bos + encode(tokenizer, e.reset(t, role=role)))
+                    for t, e in zip(tasks, self.envs)]
+        check_prompts([ep.prompt_ids for ep in self.eps], model.config.vocab_size)
+        self.max_pos = getattr(model.config, "max_position_embeddings", None)
+        for b, ep in enumerate(self.eps):
+            if self.max_pos and len(ep.prompt_ids) + sampling.max_new_tokens > self.max_pos:
+                raise ValueError(f"prompt {b} ({len(ep.prompt_ids)} tokens) + max_new_tokens="
+                                 f"{sampling.max_new_tokens} exceeds the model's "
+                                 f"max_position_embeddings={self.max_pos}; expected at most "
+                                 f"{self.max_pos} positions")
+        stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+        strings = sorted({s for e in self.envs for s in getattr(e, "stop_strings", ())})
+        budgets = [envs.effort_spec(t).think_budget if sampling.use_think_budget else None
+                   for t in tasks]
+        has_budget = any(b is not None for b in budgets)
+        self.params = SamplingParams.create(
+            self.B, temperature=sampling.temperature, top_k=sampling.top_k,
+            top_p=sampling.top_p, stop_token_ids=stop_ids,
+            stop_sequences=stop_sequences(tokenizer, strings),
+            think_ids=think_ids(tokenizer) if has_budget else (NO_TOKEN, NO_TOKEN))
+        self.budget_B = np.array([NO_BUDGET if b is None else b for b in budgets], np.int32)
+        # the turn in progress, per row: tokens, sampler log-probs, forced flags
+        self.cur = [[] for _ in range(self.B)]
+        self.cur_lp = [[] for _ in range(self.B)]
+        self.cur_forced = [[] for _ in range(self.B)]
+        self.turn_end = [None] * self.B     # finish reason of the current turn, once known
+        self.obs = [[] for _ in range(self.B)]   # observation not yet in the cache
+        self.state, self.log = None, None
+
+    # -- bookkeeping on the host ---------------------------------------------------------
+    def context_len(self, b: int) -> int:
+        ep = self.eps[b]
+        return len(ep.prompt_ids) + len(ep.response_ids) + len(self.cur[b])
+
+    def room(self, b: int, turn: int) -> int:
+        """Tokens row b may sample this turn (turn 0: max_new_tokens, checked up front)."""
+        room = self.sampling.max_new_tokens
+        if self.max_pos and turn > 0:
+            ep = self.eps[b]
+            room = min(room, self.max_pos - len(ep.prompt_ids) - len(ep.response_ids))
+        return room
+
+    def header(self, identity: dict) -> dict:
+        h = hashlib.sha256()
+        for ep in self.eps:
+            h.update(np.asarray(ep.prompt_ids, np.int64).tobytes() + b"|")
+        h.update(self.budget_B.tobytes())
+        h.update(json.dumps([dataclasses.asdict(self.sampling), self.role, int(self.seed),
+                             identity], sort_keys=True, default=str).encode())
+        return dict(version=2, kind="episodes", batch=self.B, seed=int(self.seed),
+                    identity=identity, digest=h.hexdigest())
+
+    # -- engine --------------------------------------------------------------------------
+    def load(self, live, turn: int, extra: int) -> None:
+        """A fresh cache holding every row's history (+ the turn in progress); rows in
+        `live` whose turn has not ended continue it. `extra`: slots to leave for decoding."""
+        import jax.numpy as jnp
+
+        from opd_jax.rollout import engine
+        from opd_jax.rollout.api import bucket
+        B = self.B
+        hist = [ep.prompt_ids + ep.response_ids for ep in self.eps]
+        W = bucket(max(len(h) + len(c) for h, c in zip(hist, self.cur)), 64)
+        chunk, mask = np.zeros((B, W), np.int32), np.zeros((B, W), bool)
+        resp, forced = np.zeros((B, W), bool), np.zeros((B, W), bool)
+        logp = np.zeros((B, W), np.float32)
+        for b in range(B):
+            row, n = hist[b] + self.cur[b], len(self.cur[b])
+            chunk[b, W - len(row):], mask[b, W - len(row):] = row, True
+            if n:   # the turn in progress counts toward its max_new_tokens
+                resp[b, W - n:], logp[b, W - n:] = True, self.cur_lp[b]
+                forced[b, W - n:] = self.cur_forced[b]
+        starting = np.array([b in live and self.turn_end[b] is None for b in range(B)])
+        room_B = np.array([self.room(b, turn) if starting[b] else 0 for b in range(B)],
+                          np.int32)
+        S = bucket(W + extra + 1, 128)
+        state = engine.init_state(self.model, B, S, self.seed,
+                                  think_budget_B=self.budget_B,
+                                  window=self.params.stop_seqs_QxM.shape[1])
+        if self.mesh is not None:
+            state = engine.shard_state(state, self.mesh)
+        self.state = engine.extend(self.model, state, jnp.asarray(chunk), jnp.asarray(mask),
+                                   start_turn_B=jnp.asarray(starting),
+                                   max_new_B=jnp.asarray(room_B), response_BxW=jnp.asarray(resp),
+                                   logp_BxW=jnp.asarray(logp), forced_BxW=jnp.asarray(forced),
+                                   think_ids_2=self.params.think_ids_2)
+
+    def begin_turn(self, live, turn: int) -> None:
+        """Append the pending observations and start the turn of every live row."""
+        import jax.numpy as jnp
+
+        from opd_jax.rollout import engine
+        from opd_jax.rollout.api import bucket
+        extra = max(self.room(b, turn) for b in live)
+        W = bucket(max(1, max(len(self.obs[b]) for b in live)), 64)
+        if self.state is None or int(self.state.cache.index) + W + extra + 1 > self.state.max_len:
+            # out of slots (or the first turn): prefill the histories (observations
+            # included) into a cache with room for this turn, and for about one more turn
+            # when one may follow
+            self.obs = [[] for _ in range(self.B)]
+            more = extra + W if turn + 1 < self.sampling.max_turns else 0
+            self.load(set(live), turn, extra + more)
+            return
+        B = self.B
+        chunk, mask = np.zeros((B, W), np.int32), np.zeros((B, W), bool)
+        start, room_B = np.zeros(B, bool), np.zeros(B, np.int32)
+        for b in live:
+            o = self.obs[b]
+            if o:
+                chunk[b, W - len(o):], mask[b, W - len(o):] = o, True
+            start[b], room_B[b] = True, self.room(b, turn)
+        self.obs = [[] for _ in range(B)]
+        self.state = engine.extend(self.model, self.state, jnp.asarray(chunk),
+                                   jnp.asarray(mask), start_turn_B=jnp.asarray(start),
+                                   max_new_B=jnp.asarray(room_B),
+                                   think_ids_2=self.params.think_ids_2)
+
+    def decode(self, live: list[int], steps_per_call: int) -> None:
+        """Decode until every row's turn ends; collect the new tokens (and log them)."""
+        import jax.numpy as jnp
+
+        from opd_jax.distributed import fetch
+        from opd_jax.rollout import engine
+        from opd_jax.rollout.api import ALL_STEPS, FINISH_NAMES
+        from opd_jax.rollout.sampling import FinishReason
+        steps = steps_per_call if self.log is not None else ALL_STEPS
+        while True:
+            before = int(self.state.cache.index)
+            self.state = engine.decode(self.model, self.state, self.params,
+                                       jnp.asarray(steps, jnp.int32))
+            after = int(self.state.cache.index)
+            s = self.state
+            tok, smp, frc, lp, finish, active = fetch((
+                s.tokens_BxS, s.sampled_BxS, s.forced_BxS, s.logp_BxS, s.finish_B,
+                s.active_B))
+            for b in range(self.B):
+                new = np.flatnonzero(smp[b, before + 1:after + 1] | frc[b, before + 1:after + 1])
+                for j in new + before + 1:
+                    if self.log is not None:
+                        self.log.append_token(b, self.context_len(b), int(tok[b, j]),
+                                              float(lp[b, j]), bool(frc[b, j]))
+                    self.cur[b].append(int(tok[b, j]))
+                    self.cur_lp[b].append(float(lp[b, j]) if smp[b, j] else 0.0)
+                    self.cur_forced[b].append(bool(frc[b, j]))
+            ended = [b for b in live if not active[b] and self.turn_end[b] is None
+                     and finish[b] != FinishReason.RUNNING]
+            for b in ended:
+                self.turn_end[b] = FINISH_NAMES[int(finish[b])]
+                if self.log is not None:
+                    self.log.append_finish(b, int(finish[b]))
+            if self.log is not None:
+                self.log.commit()
+            if not active.any() or after + 1 >= s.max_len:
+                return
+
+    def finish_turn(self, rows: list[int], turn: int) -> None:
+        """Step the environments of `rows` on their turn's text; update the episodes."""
+        eos = self.tok.eos_token or "\0"
+        texts = [self.tok.decode(self.cur[b], skip_special_tokens=False).replace(eos, "")
+                 for b in rows]
         # One call per turn: single-turn rewards are scored together (code: parallel sandboxes).
-        steps = envs.step_many([environments[i] for i in live], texts)
-        for j, (i, step) in enumerate(zip(live, steps)):
-            ep = episodes[i]
-            toks, lps = res.tokens[j], res.logprobs[j]
-            ep.response_ids += toks
+        steps = envs.step_many([self.envs[b] for b in rows], texts)
+        for b, text, step in zip(rows, texts, steps):
+            ep = self.eps[b]
+            ep.response_ids += self.cur[b]
             # Tokens the sampler forced (</think> at the budget) were not sampled: no loss.
-            ep.response_mask += [0 if f else 1 for f in forced[j]]
-            ep.sampler_logp += [float(x) for x in lps]
-            ep.finish = res.finish_reasons[j]
-            ep.text += texts[j]
+            ep.response_mask += [0 if f else 1 for f in self.cur_forced[b]]
+            ep.sampler_logp += self.cur_lp[b]
+            ep.finish = self.turn_end[b] or "budget"
+            ep.text += text
             ep.turns += 1
             ep.reward, ep.info = float(step.reward), dict(step.info)
-            if step.done or turn == sampling.max_turns - 1:
+            self.cur[b], self.cur_lp[b], self.cur_forced[b] = [], [], []
+            self.turn_end[b] = None
+            if self.log is not None:
+                self.log.append_turn(b, turn)
+            if step.done or turn == self.sampling.max_turns - 1:
                 ep.done = True
             elif step.observation:
-                obs = encode(tokenizer, step.observation)
-                if max_pos and len(ep.prompt_ids) + len(ep.response_ids) + len(obs) >= max_pos:
+                obs = encode(self.tok, step.observation)
+                if self.max_pos and self.context_len(b) + len(obs) >= self.max_pos:
                     ep.done, ep.finish = True, "context_full"   # no room for the next turn
                     continue
                 ep.response_ids += obs
                 ep.response_mask += [0] * len(obs)
                 ep.sampler_logp += [0.0] * len(obs)
-    return episodes
+                self.obs[b] = obs
+        if self.log is not None:
+            self.log.commit()
 
+    def live_rows(self, turn: int) -> list[int]:
+        """Rows that take this turn; a row with no room left ends ("context_full")."""
+        live = []
+        for b, ep in enumerate(self.eps):
+            if ep.done:
+                continue
+            if self.room(b, turn) < 1:
+                ep.done, ep.finish = True, "context_full"
+                continue
+            live.append(b)
+        return live
 
-def _forced_flags(res) -> list[list[bool]]:
-    """Per returned token, whether the sampler forced it (aligned with `res.tokens`)."""
-    from opd_jax.distributed import fetch      # rows may live on several processes (mesh=)
-    forced, lens = fetch((res.batch.forced_mask_BxL, res.batch.lengths_B))
-    return [forced[b, lens[b] - len(t):lens[b]].astype(bool).tolist()
-            for b, t in enumerate(res.tokens)]
+    # -- the loop ------------------------------------------------------------------------
+    def run(self, wal_path, steps_per_call: int, identity: dict) -> list[Episode]:
+        from opd_jax.rollout import wal
+        first, header, truncate_at = 0, self.header(identity), None
+        if wal_path is not None:
+            if os.path.exists(wal_path) and os.path.getsize(wal_path) > 0:
+                old, records, truncate_at = wal.read_log(wal_path)
+                if old is not None and old != header:
+                    raise ValueError(f"token log {wal_path} belongs to another job "
+                                     f"({old}); expected {header}")
+                if old is None:
+                    truncate_at = 0
+                first = self.replay(records, wal_path)
+            self.log = wal.TokenLog(wal_path, header, truncate_at=truncate_at)
+        try:
+            for turn in range(first, self.sampling.max_turns):
+                live = self.live_rows(turn)
+                if not live:
+                    break
+                if self.state is None and any(self.cur[b] or self.turn_end[b] for b in live):
+                    # resumed inside this turn: history and logged tokens into the cache
+                    self.load(set(live), turn, max(0, max(self.room(b, turn) - len(self.cur[b])
+                                                          for b in live)))
+                else:
+                    self.begin_turn(live, turn)
+                if any(self.turn_end[b] is None for b in live):
+                    self.decode(live, steps_per_call)
+                self.finish_turn(live, turn)
+        finally:
+            if self.log is not None:
+                self.log.close()
+        return self.eps
 
+    def replay(self, records: list[tuple], path) -> int:
+        """Re-apply a log's committed records; the turn to continue from."""
+        from opd_jax.rollout import wal
+        from opd_jax.rollout.api import FINISH_NAMES
+        turn, stepped = 0, []
+        for kind, row, *rest in records:
+            if not 0 <= row < self.B:
+                raise ValueError(f"token log {path}: row {row} outside the batch of {self.B}")
+            if kind != wal.TURN and stepped:   # the next turn's records: step the last one
+                self.finish_turn_replayed(stepped, turn)
+                stepped, turn = [], turn + 1
+            if kind == wal.TOKEN:
+                pos, token, lp, forced = rest
+                if pos != self.context_len(row):
+                    raise ValueError(f"token log {path}: row {row} has a token at position "
+                                     f"{pos}, expected {self.context_len(row)} (a log of "
+                                     f"other environments or another job)")
+                self.cur[row].append(token)
+                self.cur_lp[row].append(0.0 if forced else lp)
+                self.cur_forced[row].append(bool(forced))
+            elif kind == wal.FINISH:
+                self.turn_end[row] = FINISH_NAMES[rest[0]]
+            elif kind == wal.TURN:
+                if rest[0] != turn:   # all rows of a turn step together, in one commit
+                    raise ValueError(f"token log {path}: row {row} stepped turn {rest[0]} "
+                                     f"while turn {turn} is being replayed")
+                stepped.append(row)
+        if stepped:
+            self.finish_turn_replayed(stepped, turn)
+            turn += 1
+        return turn
 
-def cell_of(task: envs.Task) -> str:
-    return f"{task.domain}/{task.effort}"
+    def finish_turn_replayed(self, rows: list[int], turn: int) -> None:
+        expected = self.live_rows(turn)
+        if sorted(rows) != expected:
+            raise ValueError(f"token log: turn {turn} stepped rows {sorted(rows)}, expected "
+                             f"the live rows {expected}")
+        self.finish_turn(rows, turn)
