@@ -28,9 +28,9 @@ import time
 import numpy as np
 
 from opd_jax.recipes import trainer_config
+# one table of families and efforts: the ones the base was pretrained and carded on
+from opd_jax.recipes.base_model import EFFORTS, TESTBED
 
-TESTBED = {"general": "chain", "agent": "tool_chain", "coding": "code_trace"}
-EFFORTS = ("low", "high", "max")
 # The evaluation difficulty of each domain, read off the base's card (3 seeds x 16, eval
 # split): the lowest at which low < high < max by >= 0.10 each, with room left for RL below
 # max (chain d3 0.06 / 0.72 / 1.00; tool_chain d3 0.54 / 0.86 / 1.00; code_trace d3
