@@ -42,7 +42,10 @@ def reverse_kl_loss_from_hidden(h_s_BxTxD, w_s_DxV, h_t, w_t, mask_BxT, *, weigh
 
     L = aggregate_t( sum_k w_bk KL(p_bt || q_kbt) ), p = softmax(h_s W_s / tau),
     q_k = softmax(h_t,k W_t,k / tau). Teachers: h_t [B, T, E] with w_t [E, V], or stacked
-    h_t [K, B, T, E] with w_t [K, E, V] and `weights` [K] or [B, K] (default uniform).
+    h_t [K, B, T, E] with w_t [K, E, V] and `weights` [K] or [B, K] (default uniform), or
+    sequences of K teachers h_t (K x [B, T, E_k]) and w_t (K x [E_k, V]) of any widths E_k
+    (the routed form: teacher k's KL is computed only on rows with w_bk > 0, and
+    `reverse_kl_teacher{k}` averages over those rows' tokens).
     Equals `reverse_kl_loss(h_s @ W_s, h_t @ W_t, mask, ...)`; the teacher gets no gradient.
 
     Example::
@@ -50,6 +53,11 @@ def reverse_kl_loss_from_hidden(h_s_BxTxD, w_s_DxV, h_t, w_t, mask_BxT, *, weigh
         loss, metrics = reverse_kl_loss_from_hidden(h_s_BxTxD, w_s_DxV, h_t_BxTxE, w_t_ExV, mask_BxT)
     """
     b, t = _check_hidden(h_s_BxTxD, w_s_DxV, mask_BxT)
+    if isinstance(h_t, (tuple, list)):
+        return _reverse_kl_teachers(h_s_BxTxD, w_s_DxV, tuple(h_t), tuple(w_t), mask_BxT,
+                                    weights=weights, temperature=temperature,
+                                    aggregation=aggregation, max_len=max_len,
+                                    implementation=implementation, **kernel_kw)
     _checks.check_rank("h_t", h_t, (3, 4), "[B, T, E] or [K, B, T, E]")
     stacked = h_t.ndim == 4
     _checks.check_rank("w_t", w_t, (3,) if stacked else (2,), "[K, E, V]" if stacked else "[E, V]")
@@ -79,6 +87,40 @@ def reverse_kl_loss_from_hidden(h_s_BxTxD, w_s_DxV, h_t, w_t, mask_BxT, *, weigh
     if stacked:
         for i in range(k):
             metrics[f"reverse_kl_teacher{i}"] = masked_mean(sg(kl_KxBxT[i]), mask_BxT)
+    return loss, {name: x.astype(jnp.float32) for name, x in metrics.items()}
+
+
+def _reverse_kl_teachers(h_s_BxTxD, w_s_DxV, h_t, w_t, mask_BxT, *, weights, temperature,
+                         aggregation, max_len, implementation, **kernel_kw):
+    """reverse_kl_loss_from_hidden for K teachers given as sequences (widths may differ)."""
+    b, t = mask_BxT.shape
+    k = len(h_t)
+    if k == 0 or len(w_t) != k:
+        raise ValueError(f"h_t and w_t are sequences of {len(h_t)} and {len(w_t)} teachers: "
+                         f"expected the same positive number")
+    for i, (h, w) in enumerate(zip(h_t, w_t)):
+        _checks.check_shape(f"h_t[{i}]", h, (b, t, h.shape[-1]), "[B, T, E]")
+        _checks.check_shape(f"w_t[{i}]", w, (h.shape[-1], w_s_DxV.shape[1]), "[E, V]")
+    if weights is None:
+        w_BxK = jnp.full((b, k), 1.0 / k, jnp.float32)
+    else:
+        _checks.check_weights(weights, k, b)
+        w = jax.lax.stop_gradient(jnp.asarray(weights, jnp.float32))
+        w_BxK = jnp.broadcast_to(w, (b, k)) if w.ndim == 1 else w
+    sg = jax.lax.stop_gradient
+    m = mask_BxT.astype(jnp.float32)
+    h_s_NxD = _flat(h_s_BxTxD)
+    div_BxT = jnp.zeros((b, t), jnp.float32)
+    metrics = {}
+    for i in range(k):
+        routed_BxT = m * (w_BxK[:, i:i + 1] > 0)
+        kl_BxT = fused_reverse_kl(h_s_NxD, w_s_DxV, _flat(h_t[i]), w_t[i],
+                                  mask_N=routed_BxT.reshape(-1), temperature=temperature,
+                                  implementation=implementation, **kernel_kw).reshape(b, t)
+        div_BxT = div_BxT + w_BxK[:, i:i + 1] * kl_BxT
+        metrics[f"reverse_kl_teacher{i}"] = masked_mean(sg(kl_BxT), routed_BxT)
+    loss = aggregate(div_BxT, mask_BxT, aggregation, max_len=max_len)
+    metrics = {"loss": sg(loss), "reverse_kl": masked_mean(sg(div_BxT), mask_BxT)} | metrics
     return loss, {name: x.astype(jnp.float32) for name, x in metrics.items()}
 
 

@@ -323,34 +323,29 @@ class DeepSeekFullVocab:
 
     `batch["teacher_hidden"]` is a tuple of S cached teacher hidden-state arrays
     [B, T, E_s] (aligned to the student's targets); `teachers` the S unembeddings
-    [E_s, V]; `batch["teacher_weights"]` [B, S] sums to 1 per row.
+    [E_s, V]; `batch["teacher_weights"]` [B, S] sums to 1 per row. The loss is
+    `losses.reverse_kl_loss_from_hidden` (routed form: teacher s only on its rows), reduced
+    with `aggregation` like the other objectives.
     """
     name: ClassVar[str] = "deepseek_full_vocab"
     needs: ClassVar[Needs] = Needs(teacher="hidden", mixture=True, old_logp=False)
     temperature: float = 1.0
     implementation: str = "auto"
+    aggregation: str = "token_mean"
+    max_len: int | None = None
 
     def __call__(self, model, batch, teachers=()):
-        from pallas_kernels import fused_reverse_kl
         h_BxTxD = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"],
                         return_hidden=True)
-        B, T, D = h_BxTxD.shape
-        w_s = model.unembedding()
+        loss, metrics = losses.reverse_kl_loss_from_hidden(
+            h_BxTxD, model.unembedding(), tuple(batch["teacher_hidden"]), tuple(teachers),
+            batch["mask"], weights=batch["teacher_weights"], temperature=self.temperature,
+            aggregation=self.aggregation, max_len=self.max_len,
+            implementation=self.implementation)
+        out = {"loss": metrics["loss"], "reverse_kl": metrics["reverse_kl"]}
         mask_BxT = batch["mask"].astype(jnp.float32)
-        weights_BxS = batch["teacher_weights"]
-        total_BxT = jnp.zeros((B, T), jnp.float32)
-        per_teacher = {}
-        for s, (h_t, w_t) in enumerate(zip(batch["teacher_hidden"], teachers)):
-            routed_BxT = mask_BxT * (weights_BxS[:, s:s + 1] > 0)
-            kl_N = fused_reverse_kl(h_BxTxD.reshape(B * T, D), w_s,
-                                    h_t.reshape(B * T, -1), w_t, mask_N=routed_BxT.reshape(-1),
-                                    temperature=self.temperature,
-                                    implementation=self.implementation)
-            kl_BxT = kl_N.reshape(B, T)
-            total_BxT = total_BxT + weights_BxS[:, s:s + 1] * kl_BxT
-            per_teacher[f"teacher{s}/kl"] = losses.masked_mean(jax.lax.stop_gradient(kl_BxT),
-                                                               routed_BxT)
-            per_teacher[f"teacher{s}/tokens"] = jnp.sum(routed_BxT)
-        loss = jnp.sum(total_BxT * mask_BxT) / jnp.maximum(jnp.sum(mask_BxT), 1.0)
-        return loss, {"loss": jax.lax.stop_gradient(loss),
-                      "reverse_kl": jax.lax.stop_gradient(loss)} | per_teacher
+        for s in range(len(teachers)):
+            out[f"teacher{s}/kl"] = metrics[f"reverse_kl_teacher{s}"]
+            out[f"teacher{s}/tokens"] = jnp.sum(mask_BxT * (batch["teacher_weights"][:, s:s + 1]
+                                                            > 0))
+        return loss, out
