@@ -74,21 +74,27 @@ def cell_of(task: envs.Task) -> str:
 
 def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig, *,
          seed: int, role: str = "student", mesh=None, wal_path: str | None = None,
-         steps_per_call: int = 16, identity: dict | None = None) -> list[Episode]:
+         steps_per_call: int = 16, identity: dict | None = None,
+         stats: dict | None = None) -> list[Episode]:
     """Run every task to completion; rows of all episodes decode together.
 
     mesh: shard the rows and KV cache over it (the model must be placed on the same mesh);
     without it the engine runs replicated. wal_path: log tokens every `steps_per_call`
     decode steps and resume from the log if it holds this job's records (`identity`, e.g.
     the training iteration, is part of the job's identity with the tasks and sampling).
+    stats: a dict to fill with "resumed_tokens" (tokens restored from the log, not
+    generated again) and "cache_reloads" (re-prefills into a larger cache).
     """
     if wal_path is not None and mesh is not None:
         raise ValueError("play(mesh=..., wal_path=...) is not supported: the token log is "
                          "written by one process; pass wal_path=None on a mesh")
     if steps_per_call < 1:
         raise ValueError(f"steps_per_call={steps_per_call}: expected >= 1")
-    return _Play(model, tokenizer, list(tasks), sampling, seed=seed, role=role,
-                 mesh=mesh).run(wal_path, steps_per_call, identity or {})
+    runner = _Play(model, tokenizer, list(tasks), sampling, seed=seed, role=role, mesh=mesh)
+    episodes = runner.run(wal_path, steps_per_call, identity or {})
+    if stats is not None:
+        stats.update(runner.stats)
+    return episodes
 
 
 class _Play:
@@ -130,6 +136,7 @@ class _Play:
         self.turn_end = [None] * self.B     # finish reason of the current turn, once known
         self.obs = [[] for _ in range(self.B)]   # observation not yet in the cache
         self.state, self.log = None, None
+        self.stats = {"resumed_tokens": 0, "cache_reloads": -1}   # the first load is no reload
 
     # -- bookkeeping on the host ---------------------------------------------------------
     def context_len(self, b: int) -> int:
@@ -178,6 +185,7 @@ class _Play:
         room_B = np.array([self.room(b, turn) if starting[b] else 0 for b in range(B)],
                           np.int32)
         S = bucket(W + extra + 1, 128)
+        self.stats["cache_reloads"] += 1
         state = engine.init_state(self.model, B, S, self.seed,
                                   think_budget_B=self.budget_B,
                                   window=self.params.stop_seqs_QxM.shape[1])
@@ -355,6 +363,7 @@ class _Play:
                                      f"{pos}, expected {self.context_len(row)} (a log of "
                                      f"other environments or another job)")
                 self.cur[row].append(token)
+                self.stats["resumed_tokens"] += 1
                 self.cur_lp[row].append(0.0 if forced else lp)
                 self.cur_forced[row].append(bool(forced))
             elif kind == wal.FINISH:

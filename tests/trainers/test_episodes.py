@@ -159,7 +159,10 @@ def test_resume_from_every_commit_equals_the_uninterrupted_run(tmp_path, monkeyp
         monkeypatch.setattr(wal.TokenLog, "commit", commits)
         _, before, _ = wal.read_log(path)
         logged = [(r[1], r[2]) for r in before if r[0] == wal.TOKEN]
-        out = play(model, tok, tasks, SAMPLING, seed=5, wal_path=path, steps_per_call=3)
+        stats = {}
+        out = play(model, tok, tasks, SAMPLING, seed=5, wal_path=path, steps_per_call=3,
+                   stats=stats)
+        assert stats["resumed_tokens"] == len(logged) > 0
         assert [_fields(e) for e in out] == [_fields(e) for e in ref], kill_after
         for a, b in zip(out, ref):
             np.testing.assert_allclose(a.sampler_logp, b.sampler_logp, atol=1e-5)
