@@ -87,6 +87,7 @@ from opd_jax.models import ModelConfig
 from opd_jax.recipes.scale_trace import (_rules, _stage_key, abstract_mesh, activation_bytes,
                                          optimizer_bytes, params_bytes, trace_stage)
 from opd_jax.recipes.scale_up import MESHES, SECTIONS, STUDENT, TEACHER
+from opd_jax.trainers.objectives import needs_of
 
 GIB = 1024 ** 3
 
@@ -209,7 +210,8 @@ def estimate(c: ml_collections.ConfigDict, *, trace: bool = True) -> list[dict]:
                               mesh_shape, rules)
         teacher_models = [models[ref] for ref in dict.fromkeys(s.teachers.values())]
         objective = cfg.objective.name if s.kind != "sft" else None
-        hidden = objective == "deepseek_full_vocab"
+        needs = needs_of(objective) if objective else None
+        hidden = needs is not None and needs.teacher == "hidden"
         teacher_dims = tuple((t.hidden_size, t.vocab_size) for t in teacher_models) if hidden \
             else tuple((0, 0) for _ in teacher_models)
         cache = cache_per_token = 0        # teacher cache: fixed part, part that grows with T
@@ -223,7 +225,8 @@ def estimate(c: ml_collections.ConfigDict, *, trace: bool = True) -> list[dict]:
                 cache_per_token = sum(geo.rows * E * 2 for E, _ in teacher_dims)
             else:
                 cache_per_token = geo.rows * 4          # teacher log-probs of the iteration
-        if s.kind != "sft" and cfg.objective.options.get("kl_beta", 0.0) > 0:
+        if needs is not None and needs.reference and \
+                cfg.objective.options.get(needs.reference, 0.0) > 0:
             p *= 2                                      # + the frozen reference policy
         acts = activation_bytes(s.kind, key, model, geo.micro, geo.seq, teacher_dims,
                                 mesh_shape, rules)

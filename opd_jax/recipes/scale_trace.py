@@ -25,6 +25,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from opd_jax import sharding as sh
 from opd_jax.models import ModelConfig, Transformer
+from opd_jax.trainers.objectives import needs_of
 
 _HERE = os.path.basename(__file__)
 
@@ -112,12 +113,13 @@ def _batch(kind: str, objective: str | None, rows: int, T: int, teacher_dims: tu
         return batch | dict(positions=i32()), ()
     batch |= dict(sampler_logp=f32(), old_logp=f32(), adv=_sds((rows,), jnp.float32))
     S = len(teacher_dims)
-    if objective == "deepseek_full_vocab":
+    teacher = needs_of(objective).teacher
+    if teacher == "hidden":
         batch |= dict(teacher_hidden=tuple(_sds((rows, T, E), teacher_dtype)
                                            for E, _ in teacher_dims),
                       teacher_weights=_sds((rows, S), jnp.float32))
         return batch, tuple(_sds((E, V), teacher_dtype) for E, V in teacher_dims)
-    if objective != "grpo":
+    if teacher == "logp":
         batch |= dict(teacher_logp=f32(), teacher_onehot=_sds((rows, S), jnp.float32))
     return batch, ()
 
@@ -274,9 +276,11 @@ def trace_stage(kind: str, stage_key: str, config: ModelConfig, micro: int, accu
         obj = make_objective(objective, **spec["objective"]["options"])
         step = functools.partial(policy_step, graphdef=graphdef, tx=tx, objective=obj)
 
+    hidden = kind != "sft" and needs_of(objective).teacher == "hidden"
+
     def run(state, batch, teachers):
         model = nnx.merge(graphdef, state.params, state.rest)
-        if objective == "deepseek_full_vocab":
+        if hidden:
             fwd = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"], return_hidden=True)
             B, T_, D = fwd.shape
             per_token = fused_reverse_kl(fwd.reshape(B * T_, D), model.unembedding(),
@@ -295,8 +299,8 @@ def trace_stage(kind: str, stage_key: str, config: ModelConfig, micro: int, accu
         raise ValueError(f"{kind} step: the new train state's shapes differ from the old one's")
     if metrics["loss"].shape != ():
         raise ValueError(f"{kind} step: loss has shape {metrics['loss'].shape}, expected ()")
-    what = "hidden" if objective == "deepseek_full_vocab" else "logits"
-    quantity = "full-vocab reverse KL" if objective == "deepseek_full_vocab" else "token log-probs"
+    what = "hidden" if hidden else "logits"
+    quantity = "full-vocab reverse KL" if hidden else "token log-probs"
     return {"forward": f"{what} {list(fwd.shape)}", "per_token": f"{quantity} "
             f"{list(per_token.shape)}", "loss": list(metrics["loss"].shape),
             "state_leaves": len(jax.tree.leaves(new_state))}
