@@ -60,6 +60,9 @@ def policy_base(init_from: str = "") -> ml_collections.ConfigDict:
         cells=()))   # non-empty: train only these "domain/effort" cells of the grid
     c.rollout = ml_collections.ConfigDict(dict(
         prompts_per_step=8, group_size=4, seq_len=0,    # seq_len 0: bucket per batch
+        # decode steps between commits of the rollout's token log (workdir/rollout_wal/):
+        # a killed run resumes its rollout from it; 0 = no log (always off multi-process)
+        wal_every=32,
         sampling=ml_collections.ConfigDict(dict(
             max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, max_turns=3,
             use_think_budget=True)),

@@ -47,7 +47,7 @@ from opd_jax.teachers import (TeacherBank, TeacherScorer, check_routing, in_row_
                               teacher_fields, teacher_weights)
 from opd_jax.teachers.scoring import MODEL_INPUTS
 from opd_jax.trainers import builders, evaluate
-from opd_jax.trainers.episodes import SamplingConfig, cell_of, play
+from opd_jax.trainers.episodes import RolloutLog, SamplingConfig, cell_of, play
 from opd_jax.trainers.evaluate import heldout_metrics   # noqa: F401  (its old home)
 from opd_jax.trainers.metrics import DivergenceGuard, MetricsWriter
 from opd_jax.trainers.objectives import make_objective
@@ -262,6 +262,8 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     heldout = evaluate.HeldOut(cfg, cells, tokenizer, teachers.cell_weights)
     sampling = SamplingConfig(**dict(cfg.rollout.sampling))
     multi = jax.process_count() > 1     # rollout rows split over processes
+    rollout_log = RolloutLog(workdir, cfg.rollout.get("wal_every", 0), start=start,
+                             enabled=not multi, reset=resume_with_changes)
     writer = MetricsWriter(workdir, resume_step=start)   # iterations done
     meta = {"model": model_meta, "kind": cfg.objective.name,
             "tokenizer": builders.tokenizer_meta(cfg.tokenizer, tokenizer)}
@@ -277,8 +279,11 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                 episodes = play(student, tokenizer,
                                 [t for t in tasks for _ in range(cfg.rollout.group_size)],
                                 sampling, seed=cfg.seed * 100_003 + it,
-                                mesh=mesh if multi else None)
+                                mesh=mesh if multi else None,
+                                **rollout_log.kwargs(it, int(state.step)))
+            metrics_rollout = {f"rollout/{k}": float(v) for k, v in rollout_log.stats.items()}
             seqs, batch, metrics = _sequence_batch(cfg, episodes, model_config)
+            metrics |= metrics_rollout
             with timer("teachers"):
                 order, fields, teachers_W, m = teachers.score(episodes, seqs)
             metrics |= m
@@ -304,6 +309,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             if done % cfg.train.ckpt_every == 0 or done == steps:
                 ckpt.save(int(state.step), state, task_iter, meta | {"iteration": done})
+                rollout_log.checkpointed(done)
     finally:
         ckpt.close()
         writer.close()
