@@ -69,7 +69,10 @@ def policy_base(init_from: str = "") -> ml_collections.ConfigDict:
     ))
     c.eval = eval_config()
     c.rl = ml_collections.ConfigDict(dict(
-        adv_scale="std", dynamic_sampling=False, ppo_epochs=1, minibatches=1))
+        adv_scale="std", dynamic_sampling=False, ppo_epochs=1, minibatches=1,
+        # DAPO soft overlong punishment: the last `overlong_buffer` tokens before
+        # max_new_tokens x max_turns ramp the reward down to -1 (0 = off)
+        overlong_buffer=0))
     c.optim = optim_config(lr=1e-4, warmup_steps=0, schedule="constant", weight_decay=0.0)
     c.train = ml_collections.ConfigDict(dict(steps=30, log_every=1, ckpt_every=10,
                                              keep_checkpoints=2,

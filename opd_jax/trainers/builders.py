@@ -33,7 +33,17 @@ def policy_rows(cfg: ml_collections.ConfigDict, n_batch_devices: int) -> int:
         raise ValueError(f"prompts_per_step x group_size = {rows} rows in rl.minibatches={mb} "
                          f"must split evenly over {n_batch_devices} batch devices; expected a "
                          f"multiple of {mb * n_batch_devices}")
+    buffer, longest = cfg.rl.get("overlong_buffer", 0), overlong_max_len(cfg)
+    if not 0 <= buffer <= longest:
+        raise ValueError(f"rl.overlong_buffer={buffer}: expected 0 (off) to {longest}, the "
+                         f"most tokens an episode samples (rollout.sampling.max_new_tokens x "
+                         f"max_turns)")
     return rows
+
+
+def overlong_max_len(cfg: ml_collections.ConfigDict) -> int:
+    """DAPO's L_max for a policy run: the most tokens one episode may sample."""
+    return cfg.rollout.sampling.max_new_tokens * cfg.rollout.sampling.max_turns
 
 
 def setup(cfg: ml_collections.ConfigDict):

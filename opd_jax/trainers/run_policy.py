@@ -5,12 +5,15 @@ What a run builds is decided by the objective's declared `Needs`
 any work; the driver never switches on an objective's name. Each iteration runs the phases
 
   rollout   play `group_size` episodes for each of `prompts_per_step` tasks with the
-            current student (rollout engine + environments);            time/rollout
+            current student (rollout engine + environments), logging its tokens
+            (`rollout.wal_every`; a killed run resumes the rollout); time/rollout
   teachers  (Needs.teacher != "none") route each episode to its teacher(s) by
             (domain, effort) and score the same tokens (log-probs, or last-layer hidden
             states), each teacher once per iteration;                    time/teachers
   batch     sequences, group advantages (std or Dr.GRPO; a batch-mean baseline at group
-            size 1), DAPO dynamic sampling; old log-probs with the training forward
+            size 1), DAPO's soft overlong penalty (`rl.overlong_buffer`) and
+            dynamic sampling (groups of equal rewards get mask 0: they are
+            dropped, not resampled); old log-probs with the training forward
             (IcePop/TIS compare them with the sampler's) and the reference
             log-probs when the objective's KL option is on;              time/old_logp
   update    `ppo_epochs x minibatches` optimizer steps;                  time/update
@@ -166,6 +169,12 @@ def _sequence_batch(cfg, episodes, model_config) -> tuple[dict, dict, dict]:
     metrics = _reward_metrics(episodes)
     batch = {k: v for k, v in seqs.items() if k not in ("prompt_len", "response_len")}
     rewards_B = np.asarray([e.reward for e in episodes], np.float32)
+    if cfg.rl.get("overlong_buffer", 0):   # DAPO soft overlong punishment, in tokens
+        penalty_B = np.asarray(losses.overlong_penalty(
+            np.asarray([e.sampled_tokens for e in episodes]), builders.overlong_max_len(cfg),
+            int(cfg.rl.overlong_buffer)))
+        rewards_B = rewards_B + penalty_B
+        metrics["overlong/penalty_mean"] = float(penalty_B.mean())
     adv_B = _advantages(rewards_B, G, cfg.rl.adv_scale)
     if cfg.rl.dynamic_sampling:
         keep_B = np.repeat(np.asarray(losses.dapo_group_filter(
