@@ -33,8 +33,8 @@ def policy_rows(cfg: ml_collections.ConfigDict, n_batch_devices: int) -> int:
         raise ValueError(f"prompts_per_step x group_size = {rows} rows in rl.minibatches={mb} "
                          f"must split evenly over {n_batch_devices} batch devices; expected a "
                          f"multiple of {mb * n_batch_devices}")
-    buffer, longest = cfg.rl.get("overlong_buffer", 0), overlong_max_len(cfg)
-    if not 0 <= buffer <= longest:
+    buffer = cfg.rl.get("overlong_buffer", 0)
+    if buffer and not 0 < buffer <= (longest := overlong_max_len(cfg)):
         raise ValueError(f"rl.overlong_buffer={buffer}: expected 0 (off) to {longest}, the "
                          f"most tokens an episode samples (rollout.sampling.max_new_tokens x "
                          f"max_turns)")
