@@ -290,9 +290,8 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                                 sampling, seed=cfg.seed * 100_003 + it,
                                 mesh=mesh if multi else None,
                                 **rollout_log.kwargs(it, int(state.step)))
-            metrics_rollout = {f"rollout/{k}": float(v) for k, v in rollout_log.stats.items()}
             seqs, batch, metrics = _sequence_batch(cfg, episodes, model_config)
-            metrics |= metrics_rollout
+            metrics |= {f"rollout/{k}": float(v) for k, v in rollout_log.stats.items()}
             with timer("teachers"):
                 order, fields, teachers_W, m = teachers.score(episodes, seqs)
             metrics |= m

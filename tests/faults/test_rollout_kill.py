@@ -1,10 +1,8 @@
 """A training run SIGKILLed in the middle of a rollout resumes that rollout from its token
 log (no logged token is sampled again) and ends with the uninterrupted run's checkpoint."""
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -12,6 +10,7 @@ import pytest
 
 from opd_jax.rollout import wal
 from opd_jax.trainers.metrics import read_metrics
+from tests.procs import sigkill_when
 from tests.trainers.test_policy_smoke import SMALL
 from tests.trainers.test_sft import _final_params
 
@@ -47,20 +46,7 @@ def test_sigkill_mid_rollout_resumes_from_the_token_log(tmp_path):
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, "rollout_kill_child.py"),
                              *_args(killed)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
-    deadline = time.time() + 400
-    try:
-        while _logged_tokens(log4) < 8:
-            assert proc.poll() is None, f"run ended first: {proc.stderr.read()[-2000:]}"
-            assert time.time() < deadline, "no rollout log in time"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_when(proc, lambda: _logged_tokens(log4) >= 8, timeout=400)
     ckpts = sorted(int(s) for s in os.listdir(killed / "checkpoints") if s.isdigit())
     assert ckpts == [2], ckpts     # one optimizer step per iteration
     assert (killed / "rollout_wal" / "iter_000002.wal").exists()

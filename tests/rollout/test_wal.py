@@ -1,9 +1,7 @@
 """Token write-ahead log: framing, torn tails, job identity, and SIGKILL + resume."""
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ from wal_child import KW, PROMPTS
 
 from opd_jax.rollout import generate
 from opd_jax.rollout.wal import TokenLog, frame, replay
+from tests.procs import sigkill_when
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -62,21 +61,8 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
            "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     child = subprocess.Popen([sys.executable, os.path.join(HERE, "wal_child.py"), path],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 240
-    try:
-        while time.time() < deadline and child.poll() is None:
-            if os.path.exists(path) and sum(map(len, replay(path)[1].values())) >= 12:
-                break
-            time.sleep(0.05)
-        assert child.poll() is None, f"child ended early: {child.stderr.read()[-2000:]}"
-        child.send_signal(signal.SIGKILL)
-        child.wait(30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(30)
-        child.stderr.close()
-    assert child.returncode == -signal.SIGKILL
+    sigkill_when(child, lambda: os.path.exists(path)
+                 and sum(map(len, replay(path)[1].values())) >= 12, timeout=240, poll=0.05)
     _, logged, finished, _ = replay(path)
     assert 12 <= sum(map(len, logged.values())) and len(finished) < len(PROMPTS)
 
