@@ -216,6 +216,19 @@ def shard_batch(batch: Mapping[str, Any] | Any, mesh: Mesh, rules: Rules = DEFAU
     return jax.tree.map(one, batch)
 
 
+def vocab_parallel_axes(mesh: Mesh, rules: Rules = DEFAULT_RULES
+                        ) -> tuple[str | tuple[str, ...] | None, str | tuple[str, ...] | None]:
+    """(vocab mesh axes, token mesh axes) of a vocab-parallel computation on `mesh`.
+
+    The vocabulary is split where the `vocab` logical axis is (default rules: "tensor"),
+    tokens where `batch` is (default: ("data", "fsdp")); a mesh axis is used once (batch
+    first) and axes of size 1 are dropped, so (None, ...) means the vocabulary is not
+    split on this mesh.
+    """
+    spec = logical_to_spec(("batch", "vocab"), rules, mesh)
+    return spec[1], spec[0]
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -9,7 +9,16 @@ every opd_jax checkpoint's meta, or read from an HF folder's tokenizer files).
 Loaded teachers live in an LRU cache bounded by count and/or bytes; loads and evictions are
 logged and counted (``bank.stats``).
 
-    bank = TeacherBank({"general/max": TeacherSpec("runs/general_max")}, max_loaded=2)
+Placement. Without a mesh a teacher is loaded whole onto the default device (one process's
+first device), as before. Given the run's `mesh` (and sharding `rules`), every teacher is
+read straight into the NamedShardings its parameters' logical axes map to, like the
+student (:func:`opd_jax.sharding.state_shardings`): an HF folder through
+``load_pretrained(mesh=)`` (each device reads its block of the memory-mapped safetensors),
+an opd_jax run through Orbax restoring each device's shards. No process then holds a whole
+teacher, and a mesh spanning several processes gives global arrays.
+
+    bank = TeacherBank({"general/max": TeacherSpec("runs/general_max")}, max_loaded=2,
+                       mesh=mesh)
     bank.validate(student_vocab=128)
     teacher = bank.get("general/max")          # a Transformer, loaded if needed
 """
@@ -27,6 +36,7 @@ import jax
 from flax import nnx
 
 from opd_jax import checkpoint as ckpt_lib
+from opd_jax import sharding as sh
 from opd_jax.models import ModelConfig, Transformer, load_pretrained
 
 log = logging.getLogger(__name__)
@@ -87,9 +97,14 @@ class TeacherSpec:
         from opd_jax.trainers.builders import build_tokenizer
         return spec, tokenizer_fingerprint(build_tokenizer(spec))
 
-    def load(self) -> Transformer:
+    def load(self, mesh: jax.sharding.Mesh | None = None,
+             rules: sh.Rules = sh.DEFAULT_RULES) -> Transformer:
+        """The model, on the default device (`mesh` None) or read straight into the
+        NamedShardings of `mesh` by the logical-axis `rules` (multi-process: every process
+        calls this, each reads only its shards)."""
         if self.kind == "hf":
-            return load_pretrained(self.path, dtype=self.dtype, remat=self.remat)
+            return load_pretrained(self.path, dtype=self.dtype, remat=self.remat, mesh=mesh,
+                                   rules=rules)
         config = self.model_config()
         if self.dtype:
             config = config.replace(dtype=self.dtype)
@@ -97,7 +112,9 @@ class TeacherSpec:
             config = config.replace(remat=self.remat)
         abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
         graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-        params = ckpt_lib.restore_params(ckpt_lib.latest_step_dir(self.path), params)
+        shardings = None if mesh is None else sh.state_shardings(params, mesh, rules)
+        params = ckpt_lib.restore_params(ckpt_lib.latest_step_dir(self.path), params,
+                                         shardings)
         return nnx.merge(graphdef, params, rest)
 
 
@@ -129,10 +146,13 @@ def model_bytes(model: nnx.Module) -> int:
 
 
 class TeacherBank:
-    """Registry + LRU cache of teachers. ``max_loaded`` / ``max_bytes`` bound the cache."""
+    """Registry + LRU cache of teachers. ``max_loaded`` / ``max_bytes`` bound the cache;
+    ``mesh`` / ``rules`` place every loaded teacher on the mesh (see the module docstring),
+    None loads each on the default device."""
 
     def __init__(self, specs: Mapping[str, TeacherSpec | str], *, max_loaded: int | None = None,
-                 max_bytes: int | None = None):
+                 max_bytes: int | None = None, mesh: jax.sharding.Mesh | None = None,
+                 rules: sh.Rules = sh.DEFAULT_RULES):
         if not specs:
             raise ValueError("the teacher bank is empty; give at least one teacher")
         self.specs = {k: v if isinstance(v, TeacherSpec) else TeacherSpec(str(v))
@@ -140,6 +160,7 @@ class TeacherBank:
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"max_loaded must be >= 1, got {max_loaded}")
         self.max_loaded, self.max_bytes = max_loaded, max_bytes
+        self.mesh, self.rules = mesh, tuple(rules)
         self._cache: collections.OrderedDict[str, tuple[Transformer, int]] = collections.OrderedDict()
         self.stats = {"loads": 0, "evictions": 0, "hits": 0}
         self.events: list[tuple[str, str]] = []   # ("load" | "evict", key), in order
@@ -173,7 +194,7 @@ class TeacherBank:
             self._cache.move_to_end(key)
             self.stats["hits"] += 1
             return self._cache[key][0]
-        model = spec.load()
+        model = spec.load(self.mesh, self.rules)
         size = model_bytes(model)
         self._cache[key] = (model, size)
         self.stats["loads"] += 1

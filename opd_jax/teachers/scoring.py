@@ -7,6 +7,13 @@
 `kind` is what the objective declares it needs (`objectives.Needs.teacher`): "logp", the
 teacher's log-probs of the student's sampled tokens [B, T], or "hidden", its last-layer
 hidden states [B, T, E] plus its unembedding (the full-vocabulary objective).
+
+On a mesh (the bank's, `TeacherBank(mesh=)`), the teacher forward is jitted with the
+teacher's parameters as the bank placed them, the rows sharded like the student's batch
+(`sharding.shard_batch`) and the outputs batch-sharded: the rows routed to a teacher are
+padded (repeating the first) to a multiple of a chunk that divides over the batch mesh
+axes. Values stay global arrays (aligned to the student's rows inside one jitted gather), so
+a mesh spanning several processes never reads a non-addressable array on the host.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from opd_jax import envs
+from opd_jax import sharding as sh
 from opd_jax.teachers.bank import TeacherBank
 from opd_jax.trainers.episodes import encode
 from opd_jax.trainers.policy import teacher_outputs
@@ -45,7 +53,11 @@ def in_row_chunks(fn, batch: dict, rows: int):
 
 class TeacherScorer:
     """Scores episodes with their teachers: each teacher runs once per iteration on the rows
-    routed to it, in chunks of `chunk_rows` (the last chunk padded by repeating a row)."""
+    routed to it, in chunks of `chunk_rows` (the last chunk padded by repeating a row).
+
+    With the bank on a mesh (`bank.mesh`), chunks are rounded up to a multiple of the
+    batch shards (`sharding.batch_shards`) and the forward runs sharded (module docstring).
+    """
 
     def __init__(self, bank: TeacherBank, tokenizer, kind: str, role: str = "student",
                  chunk_rows: int = 0):
@@ -53,18 +65,56 @@ class TeacherScorer:
             raise ValueError(f"teacher scoring kind {kind!r}: expected one of {KINDS}")
         self.bank, self.tokenizer, self.kind, self.role = bank, tokenizer, kind, role
         self.chunk_rows = chunk_rows
-        self._fns = {}
+        self.mesh, self.rules = getattr(bank, "mesh", None), getattr(bank, "rules",
+                                                                     sh.DEFAULT_RULES)
+        self.shards = 1 if self.mesh is None else sh.batch_shards(self.mesh, self.rules)
+        self._fns, self._gathers = {}, {}
 
-    def _fn(self, graphdef):
+    def _fn(self, graphdef, params, rest):
+        """The jitted teacher forward of `graphdef` (one per graphdef: teachers of one shape
+        share it and their placement)."""
         if graphdef not in self._fns:
-            self._fns[graphdef] = jax.jit(functools.partial(teacher_outputs, graphdef=graphdef,
-                                                            kind=self.kind))
+            fn = functools.partial(teacher_outputs, graphdef=graphdef, kind=self.kind)
+            if self.mesh is None:
+                self._fns[graphdef] = jax.jit(fn)
+            else:
+                placed = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+                batch_s = sh.batch_sharding(self.mesh, 2, self.rules)
+                self._fns[graphdef] = jax.jit(
+                    fn, in_shardings=(placed(params), placed(rest), batch_s),
+                    out_shardings=sh.batch_sharding(self.mesh, 3 if self.kind == "hidden"
+                                                    else 2, self.rules))
         return self._fns[graphdef]
+
+    def _gather(self, ndim: int, B: int, T: int):
+        """jit: chunk outputs -> [B, T(, E)] values at the student's targets: routed row r
+        goes to row dest[r] (padding rows have dest B and are dropped), other rows 0."""
+        key = (ndim, B, T)
+        if key not in self._gathers:
+            def gather(chunks, t_plen_R, s_plen_R, dest_R):
+                vals = jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]
+                aligned = align_to_student(vals, t_plen_R, s_plen_R, T)
+                full = jnp.zeros((B,) + aligned.shape[1:], aligned.dtype)
+                return full.at[dest_R].set(aligned, mode="drop")
+            self._gathers[key] = jax.jit(gather, out_shardings=None if self.mesh is None else
+                                         sh.batch_sharding(self.mesh, ndim, self.rules))
+        return self._gathers[key]
+
+    def _chunk(self, n_rows: int) -> int:
+        """Rows per scoring forward: `chunk_rows` (or all rows), rounded up to a multiple of
+        the batch shards."""
+        chunk = min(self.chunk_rows or n_rows, n_rows)
+        return -(-chunk // self.shards) * self.shards
 
     def __call__(self, episodes, weights, student_seqs):
         """Per teacher key: (rows with weight > 0, values aligned to student targets for all
-        B rows, zeros on the rows it does not score, W_t)."""
+        B rows, zeros on the rows it does not score, W_t). On a mesh the values are
+        batch-sharded global arrays and W_t keeps the bank's placement."""
         B, T = student_seqs["targets"].shape
+        if B % self.shards:
+            raise ValueError(f"teacher scoring of {B} student rows on mesh "
+                             f"{dict(self.mesh.shape)}: expected a multiple of its "
+                             f"{self.shards} batch shards")
         bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         out = {}
         # Teachers already in the cache first: with a cache smaller than the bank, a fixed
@@ -74,7 +124,7 @@ class TeacherScorer:
             rows = [b for b, w in enumerate(weights) if w.get(key, 0.0) > 0]
             teacher = self.bank.get(key)
             graphdef, params, rest = nnx.split(teacher, nnx.Param, ...)
-            chunk = min(self.chunk_rows or len(rows), len(rows))
+            chunk = self._chunk(len(rows))
             padded = rows + rows[:1] * (-len(rows) % chunk)
             prompts = [bos + encode(self.tokenizer, envs.render_prompt(episodes[b].task,
                                                                         role=self.role))
@@ -83,14 +133,22 @@ class TeacherScorer:
             # Row length bucketed (one compile per teacher shape and bucket).
             tseq = build_sequences(prompts, responses, seq_len=bucket(
                 max(len(p) + len(r) for p, r in zip(prompts, responses)) - 1))
-            vals = in_row_chunks(lambda sub: self._fn(graphdef)(params, rest, sub),
-                                 {k: tseq[k] for k in MODEL_INPUTS}, chunk)
-            aligned = align_to_student(vals, jnp.asarray(tseq["prompt_len"]),
-                                       jnp.asarray(student_seqs["prompt_len"][padded]), T)
-            full = jnp.zeros((B,) + aligned.shape[1:], aligned.dtype)
-            full = full.at[np.asarray(rows)].set(aligned[:len(rows)])
+            fn = self._fn(graphdef, params, rest)
+            inputs = {k: tseq[k] for k in MODEL_INPUTS}
+            chunks = [fn(params, rest, self._place(jax.tree.map(lambda x: x[i:i + chunk],
+                                                                inputs)))
+                      for i in range(0, len(padded), chunk)]
+            dest = np.asarray(rows + [B] * (len(padded) - len(rows)), np.int32)
+            host = (np.asarray(tseq["prompt_len"], np.int32),
+                    np.asarray(student_seqs["prompt_len"], np.int32)[padded], dest)
+            if self.mesh is not None:   # the same host values on every process
+                host = tuple(sh.put(x, sh.replicated(self.mesh)) for x in host)
+            full = self._gather(chunks[0].ndim, B, T)(tuple(chunks), *host)
             out[key] = (rows, full, teacher.unembedding() if self.kind == "hidden" else None)
         return out
+
+    def _place(self, batch: dict) -> dict:
+        return batch if self.mesh is None else sh.shard_batch(batch, self.mesh, self.rules)
 
 
 def teacher_fields(scored: dict, weights: list[dict], kind: str) -> tuple[list, dict, tuple]:
@@ -107,13 +165,33 @@ def teacher_fields(scored: dict, weights: list[dict], kind: str) -> tuple[list, 
                         np.float32)     # [B, S]: one-hot unless routing=mixture
     fields = {"teacher_onehot": onehot}
     if kind == "logp":
-        first = next(iter(scored.values()))[1] if scored else None
-        tl = np.zeros(first.shape if first is not None else (len(weights), 0), np.float32)
-        for key in order:
-            rows, vals, _ = scored[key]
-            tl[rows] = np.asarray(vals)[rows]
-        fields["teacher_logp"] = tl
+        if not scored:
+            fields["teacher_logp"] = np.zeros((len(weights), 0), np.float32)
+            return order, fields, ()
+        routed_SxB = np.zeros((len(order), len(weights)), bool)
+        for s, key in enumerate(order):
+            routed_SxB[s, scored[key][0]] = True
+        vals = tuple(scored[k][1] for k in order)
+        fields["teacher_logp"] = _rows_from_teachers(vals, _like(routed_SxB, vals[0]))
         return order, fields, ()
     fields["teacher_hidden"] = tuple(scored[k][1] for k in order)
     fields["teacher_weights"] = onehot
     return order, fields, tuple(scored[k][2] for k in order)
+
+
+@jax.jit
+def _rows_from_teachers(vals, routed_SxB):
+    """[B, T] fp32: each row from the teacher slot routed to it (the last if several), 0 on
+    rows no teacher scores."""
+    out_BxT = jnp.zeros(vals[0].shape, jnp.float32)
+    for s, v_BxT in enumerate(vals):
+        out_BxT = jnp.where(routed_SxB[s][:, None], v_BxT.astype(jnp.float32), out_BxT)
+    return out_BxT
+
+
+def _like(host: np.ndarray, x):
+    """`host` (the same on every process) replicated on the mesh `x` lives on, if any."""
+    s = getattr(x, "sharding", None)
+    if isinstance(s, jax.sharding.NamedSharding):
+        return sh.put(host, sh.replicated(s.mesh))
+    return host

@@ -11,6 +11,15 @@ it). Sampled-token objectives (grpo, kimi_mopd, glm_cross_stage) score the stude
 logits; the full-vocab objective never builds [B, T, V] logits: it feeds the student's and
 the cached teachers' last-layer hidden states to the fused reverse-KL kernel.
 
+Vocab-parallel kernel. An objective whose `Needs` declare ``vocab_parallel`` (the
+full-vocab one) runs its fused kernel with V sharded when the run's mesh splits the
+`vocab` logical axis (default rules: the "tensor" mesh axis, when its size is > 1): the
+driver calls `Needs.on_mesh`, which fills the objective's `vocab_parallel` field (a
+`VocabParallel`: mesh, vocab axis, token axes) and checks that V divides over that axis,
+and passes the teacher unembeddings [E, V] into the step sharded over V
+(`Needs.unembedding_sharding`) instead of replicated. Otherwise the kernel runs per device
+on whole unembeddings, as before.
+
 Behaviour distribution. The sampled-token objectives take ``behaviour``, the rollout
 sampler's settings (``cfg.rollout.sampling``: temperature, top-k, top-p). The log-probs that
 enter the PPO ratio exp(lp - lp_old) and the IcePop/TIS mismatch exp(lp_old - lp_sampler)
@@ -29,12 +38,55 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from opd_jax import losses
+from opd_jax import sharding as sh
 
 OBJECTIVES: dict[str, type] = {}
 
 TEACHER_KINDS = ("none", "logp", "hidden")
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabParallel:
+    """Where the fused full-vocabulary kernel splits its work on the run's mesh: V over the
+    one mesh axis `vocab_axis`, tokens (the flattened [B*T] rows) over `token_axis`. Passed
+    to the kernel as ``mesh=, vocab_axis=, token_axis=`` (`pallas_kernels.fused_reverse_kl`);
+    the unembeddings [D or E, V] enter the step sharded over V (`unembedding_sharding`)."""
+    mesh: Mesh
+    vocab_axis: str
+    token_axis: str | tuple[str, ...] | None
+
+    @classmethod
+    def of(cls, mesh: Mesh, rules: sh.Rules, vocab_size: int,
+           what: str = "the full-vocabulary kernel") -> VocabParallel | None:
+        """The layout of `mesh` under `rules`, or None when they do not split the `vocab`
+        logical axis (mesh axes of size 1 do not count). Raises when V does not divide over
+        the vocab axis (the kernel's shards must be equal); `what` names the caller."""
+        vocab, tokens = sh.vocab_parallel_axes(mesh, rules)
+        if vocab is None:
+            return None
+        if not isinstance(vocab, str):
+            raise ValueError(f"{what} splits the vocabulary over one mesh axis; mesh.rules map "
+                             f"the 'vocab' logical axis to {vocab} (all of size > 1 on mesh "
+                             f"{dict(mesh.shape)}). Map it to one axis")
+        size = mesh.shape[vocab]
+        if vocab_size % size:
+            raise ValueError(
+                f"{what} runs vocab-parallel over mesh axis {vocab!r} of size {size} (mesh "
+                f"{dict(mesh.shape)}), but the vocabulary V={vocab_size} is not divisible by "
+                f"{size}. Use a {vocab!r} axis size that divides V, pad the vocabulary "
+                f"(model.vocab_size), or map the 'vocab' logical axis to no mesh axis in "
+                f"mesh.rules (then the kernel runs on whole, replicated unembeddings)")
+        return cls(mesh, vocab, tokens)
+
+    def kernel_kw(self) -> dict:
+        return {"mesh": self.mesh, "vocab_axis": self.vocab_axis, "token_axis": self.token_axis}
+
+    def unembedding_sharding(self) -> NamedSharding:
+        """An unembedding [E, V]: V over the vocab axis, E whole."""
+        return NamedSharding(self.mesh, P(None, self.vocab_axis))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,22 +108,48 @@ class Needs:
     old_logp:       batch["old_logp"] / ["old_logp_plain"] (the training forward before the
                     update, under the sampler's distribution and at T = 1). Every batch also
                     has inputs, targets, mask, segment_ids, sampler_logp and adv [B].
+    vocab_parallel: (teacher "hidden" only) the objective's fused kernel can split V over
+                    the mesh: the objective has a field `vocab_parallel` (a VocabParallel
+                    or None) that `on_mesh` fills from the run's mesh, and the teacher
+                    unembeddings then enter the step sharded over V.
     """
     teacher: str = "none"
     mixture: bool = False
     min_group_size: int = 1
     reference: str | None = None
     old_logp: bool = True
+    vocab_parallel: bool = False
 
     def __post_init__(self):
         if self.teacher not in TEACHER_KINDS:
             raise ValueError(f"Needs.teacher={self.teacher!r}: expected one of {TEACHER_KINDS}")
         if self.mixture and self.teacher == "none":
             raise ValueError("Needs.mixture=True needs a teacher ('logp' or 'hidden')")
+        if self.vocab_parallel and self.teacher != "hidden":
+            raise ValueError(f"Needs.vocab_parallel=True shards teacher unembeddings; it needs "
+                             f"teacher='hidden', got teacher={self.teacher!r}")
 
     def wants_reference(self, objective) -> bool:
         """True when `objective`'s reference option is on (> 0)."""
         return self.reference is not None and getattr(objective, self.reference) > 0
+
+    def on_mesh(self, objective, mesh: Mesh, rules: sh.Rules, vocab_size: int):
+        """`objective` for a run on `mesh`: with `vocab_parallel` declared and the mesh
+        splitting the `vocab` logical axis, a copy whose `vocab_parallel` field holds the
+        layout (V must divide over that axis: ValueError naming V and the axis size);
+        otherwise `objective` unchanged. The driver calls this before any work."""
+        if not self.vocab_parallel:
+            return objective
+        layout = VocabParallel.of(mesh, rules, vocab_size,
+                                  what=f"objective {type(objective).name!r}")
+        return objective if layout is None else dataclasses.replace(objective,
+                                                                    vocab_parallel=layout)
+
+    def unembedding_sharding(self, objective, mesh: Mesh) -> NamedSharding:
+        """How each teacher unembedding [E, V] enters the step: sharded over V when
+        `objective` runs vocab-parallel (see `on_mesh`), replicated otherwise."""
+        layout = getattr(objective, "vocab_parallel", None) if self.vocab_parallel else None
+        return layout.unembedding_sharding() if layout is not None else NamedSharding(mesh, P())
 
     def check(self, name: str, cfg) -> None:
         """Refuse a config this objective cannot run, naming the value and what it expects."""
@@ -100,6 +178,10 @@ def register(cls):
     if not isinstance(getattr(cls, "needs", None), Needs):
         raise TypeError(f"objective {cls.__name__}: `needs` must be a Needs(...), got "
                         f"{getattr(cls, 'needs', None)!r}")
+    if cls.needs.vocab_parallel and "vocab_parallel" not in {
+            f.name for f in dataclasses.fields(cls)}:
+        raise TypeError(f"objective {cls.__name__}: Needs(vocab_parallel=True) needs a field "
+                        f"`vocab_parallel: VocabParallel | None = None` (Needs.on_mesh sets it)")
     OBJECTIVES[cls.name] = cls
     return cls
 
@@ -125,6 +207,9 @@ def make_objective(name: str, *, sampling=None, **kwargs) -> Any:
             raise ValueError(f"objective {name!r}: behaviour comes from the rollout sampling "
                              f"config; do not also set it as an option")
         kwargs["behaviour"] = Behaviour.of(sampling)
+    if "vocab_parallel" in kwargs and OBJECTIVES[name].needs.vocab_parallel:
+        raise ValueError(f"objective {name!r}: vocab_parallel comes from the run's mesh "
+                         f"(mesh.shape, mesh.rules; Needs.on_mesh); do not set it as an option")
     return OBJECTIVES[name](**kwargs)
 
 
@@ -326,22 +411,30 @@ class DeepSeekFullVocab:
     [E_s, V]; `batch["teacher_weights"]` [B, S] sums to 1 per row. The loss is
     `losses.reverse_kl_loss_from_hidden` (routed form: teacher s only on its rows), reduced
     with `aggregation` like the other objectives.
+
+    `vocab_parallel` is not an option: the driver sets it from the run's mesh
+    (`Needs.on_mesh`); then the kernel splits V over that mesh axis (the student's and the
+    teachers' unembeddings sharded over V, per-shard statistics combined) and the tokens
+    over the batch axes, with the same result.
     """
     name: ClassVar[str] = "deepseek_full_vocab"
-    needs: ClassVar[Needs] = Needs(teacher="hidden", mixture=True, old_logp=False)
+    needs: ClassVar[Needs] = Needs(teacher="hidden", mixture=True, old_logp=False,
+                                   vocab_parallel=True)
     temperature: float = 1.0
     implementation: str = "auto"
     aggregation: str = "token_mean"
     max_len: int | None = None
+    vocab_parallel: VocabParallel | None = None
 
     def __call__(self, model, batch, teachers=()):
         h_BxTxD = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"],
                         return_hidden=True)
+        kernel_kw = self.vocab_parallel.kernel_kw() if self.vocab_parallel else {}
         loss, metrics = losses.reverse_kl_loss_from_hidden(
             h_BxTxD, model.unembedding(), tuple(batch["teacher_hidden"]), tuple(teachers),
             batch["mask"], weights=batch["teacher_weights"], temperature=self.temperature,
             aggregation=self.aggregation, max_len=self.max_len,
-            implementation=self.implementation)
+            implementation=self.implementation, **kernel_kw)
         out = {"loss": metrics["loss"], "reverse_kl": metrics["reverse_kl"]}
         mask_BxT = batch["mask"].astype(jnp.float32)
         for s in range(len(teachers)):

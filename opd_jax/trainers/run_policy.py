@@ -9,7 +9,8 @@ any work; the driver never switches on an objective's name. Each iteration runs 
             (`rollout.wal_every`; a killed run resumes the rollout); time/rollout
   teachers  (Needs.teacher != "none") route each episode to its teacher(s) by
             (domain, effort) and score the same tokens (log-probs, or last-layer hidden
-            states), each teacher once per iteration;                    time/teachers
+            states), each teacher once per iteration, loaded sharded on the run's mesh
+            and its rows sharded like the student's batch;               time/teachers
   batch     sequences, group advantages (std or Dr.GRPO; a batch-mean baseline at group
             size 1), DAPO's soft overlong penalty (`rl.overlong_buffer`) and
             dynamic sampling (groups of equal rewards get mask 0: they are
@@ -120,13 +121,15 @@ class _Teachers:
     (checked against the bank before any work) and the scorer. `enabled` is False for
     objectives without a teacher (then nothing is loaded or scored)."""
 
-    def __init__(self, cfg, needs, cells, model_config, tokenizer, chunk_rows: int):
+    def __init__(self, cfg, needs, cells, model_config, tokenizer, chunk_rows: int, mesh,
+                 rules):
         self.needs, self.enabled = needs, needs.teacher != "none"
         self.bank, self.cell_weights, self.scorer = None, {}, None
         if not self.enabled:
             return
         self.bank = TeacherBank(dict(cfg.teachers.paths),
-                                max_loaded=cfg.teachers.max_loaded or None)
+                                max_loaded=cfg.teachers.max_loaded or None, mesh=mesh,
+                                rules=rules)
         self.cell_weights = check_routing(cells, self.bank.keys(), cfg.teachers.routing,
                                           table=dict(cfg.teachers.table),
                                           weights=cfg.teachers.weights.to_dict(),
@@ -200,7 +203,8 @@ def _mean_step_metrics(steps: list[dict]) -> dict:
 class _Updater:
     """The update phase: `ppo_epochs x minibatches` optimizer steps on one iteration's
     batch, rows shuffled per epoch (seeded by (seed, iteration)); one compile per number of
-    teacher slots."""
+    teacher slots. Teacher unembeddings enter the step as the objective's Needs say
+    (`Needs.unembedding_sharding`: sharded over V for a vocab-parallel objective)."""
 
     def __init__(self, cfg, graphdef, tx, objective, shardings, mesh, rules, guard, ckpt):
         self.cfg, self.graphdef, self.tx, self.objective = cfg, graphdef, tx, objective
@@ -215,7 +219,8 @@ class _Updater:
                 functools.partial(policy_step, graphdef=self.graphdef, tx=self.tx,
                                   objective=self.objective),
                 self.shardings, self.mesh,
-                extra_shardings=((sh.replicated(self.mesh),) * n_teachers,),
+                extra_shardings=((type(self.objective).needs.unembedding_sharding(
+                    self.objective, self.mesh),) * n_teachers,),
                 skip_nonfinite=self.guard.max_bad_steps > 0)
         return self._fns[n_teachers]
 
@@ -244,12 +249,13 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                                **dict(cfg.objective.options))
     needs = type(objective).needs
     needs.check(cfg.objective.name, cfg)
+    objective = needs.on_mesh(objective, mesh, rules, model_config.vocab_size)
     builders.policy_rows(cfg, sh.batch_shards(mesh, rules))
     cells = task_cells(cfg.tasks)
     # Rows per optimizer step; the scoring passes run one such minibatch at a time too.
     minibatch_rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size // cfg.rl.minibatches
     teachers = _Teachers(cfg, needs, [(d, e) for d, _, e in cells], model_config, tokenizer,
-                         minibatch_rows)
+                         minibatch_rows, mesh, rules)
     model_meta = model_config.to_dict()
     ckpt = open_workdir(workdir, cfg, model_meta, resume_with_changes=resume_with_changes)
     model = builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)
