@@ -108,20 +108,41 @@ def _filter_sorted(logits_BxV, top_k_B, top_p_B):
     return jnp.where(keep_unsorted_BxV, logits_BxV, -jnp.inf)
 
 
+def _scaled_and_filtered(logits_BxV, params: SamplingParams) -> jax.Array:
+    """logits / T (greedy rows: T = 1), then top-k / top-p (-inf outside), fp32."""
+    logits_BxV = logits_BxV.astype(F32)
+    temp_B = params.temperature_B
+    scaled_BxV = logits_BxV / jnp.where(temp_B > 0, temp_B, 1.0)[:, None]
+    needs_sort = jnp.any((params.top_k_B > 0) | (params.top_p_B < 1.0))
+    return lax.cond(needs_sort, lambda x: _filter_sorted(x, params.top_k_B, params.top_p_B),
+                    lambda x: x, scaled_BxV)
+
+
 def process_logits(logits_BxV, params: SamplingParams) -> jax.Array:
     """The sampler's log-distribution: log_softmax(filter(logits / T)) in fp32.
 
     Greedy rows (T = 0) keep T = 1 here; `sample_logits` takes their argmax and reports a
     log-prob of 0 (a point mass). The sort only runs when some row uses top-k or top-p.
     """
-    logits_BxV = logits_BxV.astype(F32)
-    temp_B = params.temperature_B
-    scaled_BxV = logits_BxV / jnp.where(temp_B > 0, temp_B, 1.0)[:, None]
-    needs_sort = jnp.any((params.top_k_B > 0) | (params.top_p_B < 1.0))
-    filtered_BxV = lax.cond(needs_sort,
-                            lambda x: _filter_sorted(x, params.top_k_B, params.top_p_B),
-                            lambda x: x, scaled_BxV)
-    return jax.nn.log_softmax(filtered_BxV, axis=-1)
+    return jax.nn.log_softmax(_scaled_and_filtered(logits_BxV, params), axis=-1)
+
+
+def _block_size(V: int) -> int:
+    """Vocabulary block of the two-level search: about sqrt(V), a multiple of 128."""
+    return 128 * max(1, -(-int(np.ceil(np.sqrt(V))) // 128))
+
+
+def _last_positive(x_BxK) -> jax.Array:
+    """Index of the last entry > 0 in each row (0 when none)."""
+    K = x_BxK.shape[1]
+    return (K - 1 - jnp.argmax((x_BxK > 0)[:, ::-1], axis=1)).astype(jnp.int32)
+
+
+def _argmax(x_BxV) -> jax.Array:
+    """First index of the row maximum (jnp.argmax's tie rule) as max + min-index reduces."""
+    V = x_BxV.shape[-1]
+    hit_BxV = x_BxV == jnp.max(x_BxV, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(hit_BxV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
 
 
 def sample_logits(logits_BxV, u_B, params: SamplingParams):
@@ -130,11 +151,49 @@ def sample_logits(logits_BxV, u_B, params: SamplingParams):
     Returns (token_B, logp_B) where logp_B = log p_sampler(token) under the processed
     distribution (temperature, then top-k, then top-p); greedy rows give argmax, logp 0.
     Example: logits [0, log 3], T=1, u=0.3 -> token 1 (cdf [0.25, 1.0]), logp log 0.75.
+
+    The token is the first whose cumulative mass exceeds u x (total mass), found in two
+    levels instead of a cumulative sum over the whole vocabulary: the block (of about
+    sqrt(V) tokens) whose running block total first exceeds it, then the token inside that
+    block. Zero-probability tokens (filtered, or padding) are never returned. Same rule as
+    `sample_logits_reference`; the two differ only where rounding moves u across a
+    boundary (|u x total - cdf| ~ 1e-7 of the total).
     """
+    B, V = logits_BxV.shape
+    z_BxV = _scaled_and_filtered(logits_BxV, params)
+    m_B = jnp.max(z_BxV, axis=-1)
+    e_BxV = jnp.exp(z_BxV - m_B[:, None])                     # filtered tokens: exactly 0
+    bs = _block_size(V)
+    nb = -(-V // bs)
+    e_BxNxS = jnp.pad(e_BxV, ((0, 0), (0, nb * bs - V))).reshape(B, nb, bs)
+    cum_blocks_BxN = jnp.cumsum(jnp.sum(e_BxNxS, axis=-1), axis=-1)
+    total_B = cum_blocks_BxN[:, -1]
+    threshold_B = u_B.astype(F32) * total_B
+    last_block_B = _last_positive(e_BxNxS.max(axis=-1))
+    block_B = jnp.minimum(jnp.sum(cum_blocks_BxN <= threshold_B[:, None], axis=-1),
+                          last_block_B).astype(jnp.int32)
+    before_B = jnp.where(block_B > 0, jnp.take_along_axis(
+        cum_blocks_BxN, jnp.maximum(block_B - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+    e_BxS = jnp.take_along_axis(e_BxNxS, block_B[:, None, None], axis=1)[:, 0]
+    inner_B = jnp.sum(jnp.cumsum(e_BxS, axis=-1) <= (threshold_B - before_B)[:, None], axis=-1)
+    inner_B = jnp.minimum(inner_B, _last_positive(e_BxS))
+    sampled_B = (block_B * bs + inner_B).astype(jnp.int32)
+    greedy_B = params.temperature_B <= 0
+    # The [B, V] argmax only when some row is greedy (XLA's CPU argmax is a slow reduce).
+    argmax_B = lax.cond(jnp.any(greedy_B), lambda x: _argmax(x), lambda x: sampled_B,
+                        logits_BxV)
+    token_B = jnp.where(greedy_B, argmax_B, sampled_B)
+    z_tok_B = jnp.take_along_axis(z_BxV, token_B[:, None], axis=-1)[:, 0]
+    logp_B = z_tok_B - m_B - jnp.log(total_B)
+    return token_B, jnp.where(greedy_B, 0.0, logp_B)
+
+
+def sample_logits_reference(logits_BxV, u_B, params: SamplingParams):
+    """The specification of `sample_logits` (same signature): one cumulative sum over the
+    whole processed distribution, the first token whose cdf exceeds u x cdf[-1]."""
     logp_BxV = process_logits(logits_BxV, params)
     cdf_BxV = jnp.cumsum(jnp.exp(logp_BxV), axis=-1)
     threshold_B = u_B.astype(F32) * cdf_BxV[:, -1]
-    # first index whose cdf exceeds the threshold; zero-probability tokens never qualify
     sampled_B = jnp.sum(cdf_BxV <= threshold_B[:, None], axis=-1).astype(jnp.int32)
     sampled_B = jnp.minimum(sampled_B, logits_BxV.shape[-1] - 1)
     greedy_B = params.temperature_B <= 0

@@ -17,15 +17,31 @@ from opd_jax.recipes.smoke import ARCHS
 NEW_TOKENS = 6      # run_arch's default
 
 
-@pytest.fixture(scope="module")
-def smoke_rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smoke")
+def _run_smoke(out) -> None:
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "opd_jax.recipes.smoke", "--out", str(out),
                            "--layers", "2"], env=env, capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "llama3.2-1b | 2 |" in proc.stdout and "qwen3-0.6b | 2 |" in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def smoke_rows(tmp_path_factory):
+    """One smoke run per test session: under pytest-xdist the workers share it through a
+    file lock (two concurrent runs of the 1B-shaped models need ~23 GiB and get OOM-killed
+    on a 24 GiB machine)."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid is None:
+        out = tmp_path_factory.mktemp("smoke")
+        _run_smoke(out)
+    else:
+        import filelock
+        out = tmp_path_factory.getbasetemp().parent / f"smoke-{uid}"
+        with filelock.FileLock(str(out) + ".lock"):
+            if not (out / "smoke.json").is_file():
+                out.mkdir(exist_ok=True)
+                _run_smoke(out)
     with open(out / "smoke.json", encoding="utf-8") as f:
         rows = {r["arch"]: r for r in json.load(f)}
     return out, rows

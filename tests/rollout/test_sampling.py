@@ -83,3 +83,31 @@ def test_params_errors():
         SamplingParams.create(2, stop_sequences=[[]])
     p = SamplingParams.create(2, stop_token_ids=list(range(9)), stop_sequences=[[1] * 9])
     assert p.stop_ids_N.shape == (16,) and p.stop_seqs_QxM.shape == (4, 16)
+
+
+@pytest.mark.parametrize("V,temperature,top_k,top_p", [
+    (128, 1.0, 0, 1.0), (1000, 0.7, 0, 1.0), (32_000, 1.0, 0, 1.0), (32_000, 1.3, 50, 0.9),
+    (5_003, 1.0, 0, 0.5)])
+def test_two_level_search_equals_the_reference(V, temperature, top_k, top_p):
+    """The two-level inverse CDF picks the reference's token (one cumsum over V) except
+    where fp32 rounding puts u within 1e-6 of a cdf boundary (checked in float64), never a
+    zero-probability token, and reports the same log-prob."""
+    from opd_jax.rollout.sampling import sample_logits_reference
+    B = 256
+    logits = jax.random.normal(jax.random.key(V), (B, V)) * 3.0
+    u_B = jax.random.uniform(jax.random.key(V + 1), (B,))
+    params = SamplingParams.create(B, temperature=temperature, top_k=top_k, top_p=top_p)
+    tok, logp = jax.jit(sample_logits)(logits, u_B, params)
+    ref_tok, ref_logp = jax.jit(sample_logits_reference)(logits, u_B, params)
+    lp = np.asarray(process_logits(logits, params), np.float64)
+    tok, ref_tok = np.asarray(tok), np.asarray(ref_tok)
+    assert np.isfinite(lp[np.arange(B), tok]).all()          # never a filtered token
+    np.testing.assert_allclose(np.asarray(logp), lp[np.arange(B), tok], atol=1e-5)
+    for b in np.flatnonzero(tok != ref_tok):
+        cdf = np.cumsum(np.exp(lp[b]))
+        cdf /= cdf[-1]
+        edge = cdf[min(tok[b], ref_tok[b])]       # the boundary between the two picks
+        assert abs(edge - float(u_B[b])) < 1e-6, (b, tok[b], ref_tok[b], edge, float(u_B[b]))
+    assert (tok == ref_tok).mean() >= 0.98
+    np.testing.assert_allclose(np.asarray(logp)[tok == ref_tok],
+                               np.asarray(ref_logp)[tok == ref_tok], atol=1e-5)
