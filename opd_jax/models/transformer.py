@@ -42,7 +42,10 @@ def _param(value, names) -> nnx.Param:
 class KVCache:
     """Keys/values of every layer in fixed slots, plus which slots may be attended.
 
-    k, v: [L, B, S, K, Dh]; valid: [B, S] bool; index: int32 scalar, the next free slot
+    k, v: one [B, K, S, Dh] array per layer (tuples of L; kv heads before slots, so the
+    decode attention reads each head's slots as one contiguous [S, Dh] matrix, and each
+    layer's buffer is updated in place: no per-step slice or transpose copies);
+    valid: [B, S] bool; index: int32 scalar, the next free slot
     (shared by all rows). A call with T tokens writes slots [index, index + T), sets
     valid there from its attention mask, and advances index by T. A query in slot j
     attends to the slots s <= j where valid[b, s]. Slots are not positions: RoPE
@@ -64,13 +67,15 @@ class KVCache:
     valid: jax.Array
     index: jax.Array
 
-    LOGICAL_AXES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+    LOGICAL_AXES = ("batch", "kv_heads", "seq", "head_dim")     # of each layer's k / v
 
     @classmethod
     def create(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> "KVCache":
         dtype = config.compute_dtype if dtype is None else jnp.dtype(dtype)
-        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
-        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+        L = config.num_layers
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(L)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(L)),
                    valid=jnp.zeros((batch, max_len), bool), index=jnp.zeros((), jnp.int32))
 
     @property
@@ -79,14 +84,18 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.valid.shape[1]
+
+    @property
+    def batch(self) -> int:
+        return self.valid.shape[0]
 
     def shardings(self, mesh, rules=None) -> "KVCache":
         """NamedShardings for this cache on `mesh` (batch and kv heads split, slots whole)."""
         from opd_jax import sharding as sh
         rules = sh.DEFAULT_RULES if rules is None else rules
-        kv = sh.named_sharding(self.LOGICAL_AXES, self.k.shape, mesh, rules)
-        return KVCache(k=kv, v=kv, valid=sh.named_sharding(("batch", "seq"), self.valid.shape,
+        kv = sh.named_sharding(self.LOGICAL_AXES, self.k[0].shape, mesh, rules)
+        return KVCache(k=(kv,) * len(self.k), v=(kv,) * len(self.v), valid=sh.named_sharding(("batch", "seq"), self.valid.shape,
                                                            mesh, rules),
                        index=sh.replicated(mesh))
 
@@ -139,18 +148,21 @@ def apply_rope(x_BxTxNxDh, cos_BxTxDh, sin_BxTxDh):
     return (x_BxTxNxDh.astype(F32) * cos + rotated.astype(F32) * sin).astype(x_BxTxNxDh.dtype)
 
 
-def attend(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, dtype):
-    """Grouped-query softmax(q k^T / sqrt(Dh) + mask) v; query head h reads kv head h // G."""
+def attend(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, dtype):
+    """Grouped-query softmax(q k^T / sqrt(Dh) + mask) v; query head h reads kv head h // G.
+
+    Keys and values come head-major ([B, K, S, Dh], the KV cache's layout), so both
+    products are batched over (b, k) with no transpose of the keys or values."""
     B, T, H, Dh = q_BxTxHxDh.shape
-    K = k_BxSxKxDh.shape[2]
-    q_BxTxKxGxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh)
-    s_BxKxGxTxS = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxDh, k_BxSxKxDh.astype(dtype),
+    K = k_BxKxSxDh.shape[1]
+    q_BxKxGxTxDh = q_BxTxHxDh.reshape(B, T, K, H // K, Dh).transpose(0, 2, 3, 1, 4)
+    s_BxKxGxTxS = jnp.einsum("bkgtd,bksd->bkgts", q_BxKxGxTxDh, k_BxKxSxDh.astype(dtype),
                              preferred_element_type=F32) * (Dh ** -0.5)
     s_BxKxGxTxS = jnp.where(mask_BxTxS[:, None, None], s_BxKxGxTxS, _MASKED)
     p_BxKxGxTxS = jax.nn.softmax(s_BxKxGxTxS, axis=-1)
-    o_BxTxKxGxDh = jnp.einsum("bkgts,bskd->btkgd", p_BxKxGxTxS.astype(dtype),
-                              v_BxSxKxDh.astype(dtype), preferred_element_type=F32)
-    return o_BxTxKxGxDh.reshape(B, T, H, Dh).astype(dtype)
+    o_BxKxGxTxDh = jnp.einsum("bkgts,bksd->bkgtd", p_BxKxGxTxS.astype(dtype),
+                              v_BxKxSxDh.astype(dtype), preferred_element_type=F32)
+    return o_BxKxGxTxDh.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh).astype(dtype)
 
 
 class Attention(nnx.Module):
@@ -178,7 +190,8 @@ class Attention(nnx.Module):
         return y.astype(dtype)
 
     def __call__(self, x_BxTxD, cos_BxTxDh, sin_BxTxDh, mask_BxTxS, kv=None):
-        """kv = (k_LxBxSxKxDh, v_LxBxSxKxDh, layer, index) for cached calls, else None."""
+        """kv = (k_BxKxSxDh, v_BxKxSxDh, index) of this layer for cached calls, else None;
+        returns (out, the layer's updated (k, v) or None)."""
         dtype = self.cfg.compute_dtype
         q_BxTxHxDh = self._project(x_BxTxD, "q", dtype)
         k_BxTxKxDh = self._project(x_BxTxD, "k", dtype)
@@ -188,19 +201,21 @@ class Attention(nnx.Module):
             k_BxTxKxDh = self.k_norm(k_BxTxKxDh, dtype)
         q_BxTxHxDh = apply_rope(q_BxTxHxDh, cos_BxTxDh, sin_BxTxDh)
         k_BxTxKxDh = apply_rope(k_BxTxKxDh, cos_BxTxDh, sin_BxTxDh)
+        k_BxKxTxDh = k_BxTxKxDh.transpose(0, 2, 1, 3)
+        v_BxKxTxDh = v_BxTxKxDh.transpose(0, 2, 1, 3)
         if kv is None:
-            k_BxSxKxDh, v_BxSxKxDh = k_BxTxKxDh, v_BxTxKxDh
+            k_BxKxSxDh, v_BxKxSxDh = k_BxKxTxDh, v_BxKxTxDh
         else:
-            k_all, v_all, layer, index = kv
-            check_cache_room(index, k_BxTxKxDh.shape[1], k_all.shape[2])
+            k_BxKxSxDh, v_BxKxSxDh, index = kv      # this layer's cache
+            check_cache_room(index, k_BxKxTxDh.shape[2], k_BxKxSxDh.shape[2])
             zero = jnp.zeros((), jnp.int32)
-            index = jnp.asarray(index, jnp.int32)
-            start = (jnp.asarray(layer, jnp.int32), zero, index, zero, zero)
-            k_all = lax.dynamic_update_slice(k_all, k_BxTxKxDh[None].astype(k_all.dtype), start)
-            v_all = lax.dynamic_update_slice(v_all, v_BxTxKxDh[None].astype(v_all.dtype), start)
-            k_BxSxKxDh, v_BxSxKxDh = k_all[layer], v_all[layer]
-            kv = (k_all, v_all)
-        o_BxTxHxDh = attend(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, dtype)
+            start = (zero, zero, jnp.asarray(index, jnp.int32), zero)
+            k_BxKxSxDh = lax.dynamic_update_slice(k_BxKxSxDh, k_BxKxTxDh.astype(k_BxKxSxDh.dtype),
+                                                  start)
+            v_BxKxSxDh = lax.dynamic_update_slice(v_BxKxSxDh, v_BxKxTxDh.astype(v_BxKxSxDh.dtype),
+                                                  start)
+            kv = (k_BxKxSxDh, v_BxKxSxDh)
+        o_BxTxHxDh = attend(q_BxTxHxDh, k_BxKxSxDh, v_BxKxSxDh, mask_BxTxS, dtype)
         out_BxTxD = jnp.einsum("bthk,hkd->btd", o_BxTxHxDh, self.o[...].astype(dtype),
                                preferred_element_type=F32).astype(dtype)
         return out_BxTxD, kv
@@ -340,8 +355,8 @@ class Transformer(nnx.Module):
             if segment_ids_BxT is not None:
                 raise ValueError("segment_ids_BxT is not supported with a cache; use "
                                  "attention_mask_BxT and positions_BxT")
-            if cache.k.shape[1] != B or T > cache.max_len:
-                raise ValueError(f"cache holds batch {cache.k.shape[1]} x {cache.max_len} "
+            if cache.batch != B or T > cache.max_len:
+                raise ValueError(f"cache holds batch {cache.batch} x {cache.max_len} "
                                  f"slots; got tokens of shape {(B, T)}")
             new_valid_BxT = (jnp.ones((B, T), bool) if attention_mask_BxT is None
                              else attention_mask_BxT.astype(bool))
@@ -352,7 +367,7 @@ class Transformer(nnx.Module):
             slot_S = jnp.arange(cache.max_len, dtype=jnp.int32)
             q_slot_T = index + jnp.arange(T, dtype=jnp.int32)
             mask_BxTxS = (slot_S[None, None, :] <= q_slot_T[None, :, None]) & valid_BxS[:, None, :]
-            kv_all = (cache.k, cache.v)
+            new_k, new_v = list(cache.k), list(cache.v)
 
         cos, sin = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta, cfg.rope,
                                 cfg.max_position_embeddings)
@@ -368,9 +383,10 @@ class Transformer(nnx.Module):
             if cache is None:
                 x_BxTxD = block(layer, x_BxTxD, cos, sin, mask_BxTxS)
             else:
-                x_BxTxD, kv_all = layer(x_BxTxD, cos, sin, mask_BxTxS, (*kv_all, i, index))
+                x_BxTxD, (new_k[i], new_v[i]) = layer(x_BxTxD, cos, sin, mask_BxTxS,
+                                                      (cache.k[i], cache.v[i], index))
         hidden_BxTxD = self.final_norm(x_BxTxD, dtype)
         out = hidden_BxTxD if return_hidden else self.logits(hidden_BxTxD)
         if cache is None:
             return out
-        return out, KVCache(k=kv_all[0], v=kv_all[1], valid=valid_BxS, index=index + T)
+        return out, KVCache(k=tuple(new_k), v=tuple(new_v), valid=valid_BxS, index=index + T)

@@ -107,7 +107,7 @@ def test_kv_cache_decode_matches_full_forward(model):
         old = cache
         out, cache = step(model, t[:, i:i + 1], pos[:, i:i + 1], ones(B, 1), cache)
         outs.append(out)
-    assert old.k.is_deleted()  # the cache was donated
+    assert all(k.is_deleted() for k in old.k)  # the cache was donated
     np.testing.assert_allclose(jnp.concatenate(outs, axis=1), full, atol=1e-5, rtol=1e-5)
     assert int(cache.index) == T
     np.testing.assert_array_equal(cache.valid, np.arange(S)[None].repeat(B, 0) < T)
@@ -162,7 +162,7 @@ def test_bf16_compute_with_fp32_params(model):
     err = float(np.abs(np.asarray(out, np.float32) - np.asarray(ref)).max())
     scale = float(np.abs(np.asarray(ref)).max())
     assert err <= 0.03 * scale, (err, scale)
-    assert m16.init_cache(B, S).k.dtype == jnp.bfloat16
+    assert all(k.dtype == jnp.bfloat16 for k in m16.init_cache(B, S).k)
 
 
 def test_grad_through_jit_is_finite(model):
@@ -195,9 +195,11 @@ def test_bad_inputs_raise_before_any_work(model):
 def test_cache_is_a_pytree_with_shardings():
     from opd_jax.sharding import make_mesh
     cache = KVCache.create(CFG, batch=4, max_len=8)
-    assert cache.k.shape == (2, 4, 8, 2, 16) and cache.valid_BxS.shape == (4, 8)
-    assert len(jax.tree.leaves(cache)) == 4
+    # one [B, K, S, Dh] buffer per layer (L = 2) for k and for v
+    assert len(cache.k) == len(cache.v) == 2 and cache.k[0].shape == (4, 2, 8, 16)
+    assert cache.valid_BxS.shape == (4, 8)
+    assert len(jax.tree.leaves(cache)) == 2 * 2 + 2
     placed = jax.device_put(cache, cache.shardings(make_mesh((2, 2, 2))))
     P = jax.sharding.PartitionSpec
-    assert placed.k.sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert placed.k[1].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
     assert placed.valid.sharding.spec == P(("data", "fsdp"), None)
