@@ -3,11 +3,15 @@
 A stage names its trainer config (a full ConfigDict, saved with the run) and the stages it
 starts from (`init_from`) or distills from (`teachers`: teacher key -> stage name). Stages
 run in order, each in ``<workdir>/<stage name>``; a finished stage leaves ``done.json``
-(wall time, optimizer steps) and is skipped on the next call, an unfinished one resumes from
-its own checkpoints, so a killed experiment restarted with the same command loses at most
-one checkpoint interval of one stage. ``done.json`` also records what the stage was (kind,
-config, references): calling again with a *changed* stage under the same name is refused,
-naming the keys that differ, instead of silently reusing a result of other settings.
+(wall time, compile time, optimizer steps) and is skipped on the next call, an unfinished
+one resumes from its own checkpoints, so a killed experiment restarted with the same command
+loses at most one checkpoint interval of one stage. Its times are those of the run that
+finished the stage: ``wall_s``, ``compile_s`` (XLA compiles and lowering to MLIR),
+``trace_s`` (tracing Python to jaxprs) and ``compiles`` (XLA compiles; see CompileClock);
+records written before compile times were kept lack the last three. ``done.json`` also
+records what the stage was (kind, config, references): calling again with a *changed* stage
+under the same name is refused, naming the keys that differ, instead of silently reusing a
+result of other settings.
 
     stages = [Stage("sft", "sft", sft_cfg),
               Stage("rl_max", "grpo", grpo_cfg, init_from="sft"),
@@ -27,6 +31,47 @@ import ml_collections
 
 log = logging.getLogger(__name__)
 KINDS = ("sft", "grpo", "opd", "merge")
+_TRACE = "/jax/core/compile/jaxpr_trace_duration"
+_LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+class CompileClock:
+    """Seconds JAX spends compiling while the block runs, from jax.monitoring's events.
+
+    ``compile_s``: XLA backend compiles plus lowering to MLIR; ``trace_s``: tracing Python
+    to jaxprs (a trace nested in another is counted in both); ``compiles``: XLA compiles;
+    ``log``: (time.perf_counter() at the end, seconds) of each compile and lowering.
+
+    >>> with CompileClock() as clock:
+    ...     train_policy(cfg, workdir)
+    >>> clock.record()   # {"compile_s": ..., "trace_s": ..., "compiles": ...}
+    """
+
+    def __init__(self):
+        self.compile_s, self.trace_s, self.compiles = 0.0, 0.0, 0
+        self.log: list[tuple[float, float]] = []
+
+    def _listen(self, event: str, duration: float, **_):
+        if event in (_COMPILE, _LOWER):
+            self.compile_s += duration
+            self.log.append((time.perf_counter(), duration))
+            self.compiles += event == _COMPILE
+        elif event == _TRACE:
+            self.trace_s += duration
+
+    def __enter__(self):
+        import jax
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+    def record(self) -> dict:
+        return {"compile_s": round(self.compile_s, 1), "trace_s": round(self.trace_s, 1),
+                "compiles": self.compiles}
 
 
 @dataclasses.dataclass
@@ -132,20 +177,21 @@ def run_stage(stage: Stage, workdir: str, *, progress: bool = True) -> dict:
     out_dir = stage_dir(workdir, stage.name)
     cfg = resolved_config(stage, workdir)
     t0 = time.time()
-    if stage.kind == "sft":
-        from opd_jax.trainers.run_sft import train_sft
-        out = train_sft(cfg, out_dir, progress=progress)
-        record = {"optimizer_steps": int(out["step"]), "iterations": int(out["step"])}
-    elif stage.kind in ("grpo", "opd"):
-        from opd_jax.trainers.run_policy import train_policy
-        out = train_policy(cfg, out_dir, progress=progress)
-        record = {"iterations": int(cfg.train.steps),
-                  "optimizer_steps": int(cfg.train.steps * cfg.rl.ppo_epochs *
-                                         cfg.rl.minibatches)}
-    else:
-        record = _merge(stage, cfg, workdir, out_dir)
+    with CompileClock() as clock:
+        if stage.kind == "sft":
+            from opd_jax.trainers.run_sft import train_sft
+            out = train_sft(cfg, out_dir, progress=progress)
+            record = {"optimizer_steps": int(out["step"]), "iterations": int(out["step"])}
+        elif stage.kind in ("grpo", "opd"):
+            from opd_jax.trainers.run_policy import train_policy
+            out = train_policy(cfg, out_dir, progress=progress)
+            record = {"iterations": int(cfg.train.steps),
+                      "optimizer_steps": int(cfg.train.steps * cfg.rl.ppo_epochs *
+                                             cfg.rl.minibatches)}
+        else:
+            record = _merge(stage, cfg, workdir, out_dir)
     record |= {"stage": stage.name, "kind": stage.kind, "wall_s": round(time.time() - t0, 1),
-               "identity": stage_identity(stage)}
+               **clock.record(), "identity": stage_identity(stage)}
     tmp = os.path.join(out_dir, "done.json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)
