@@ -1,13 +1,18 @@
 """Rollout throughput: our jit sampler vs transformers' generate (and Tunix if installed).
 
-    PYTHONPATH=. python benchmarks/rollout.py            # ~2-4 minutes on 2 CPU cores
+    PYTHONPATH=. python benchmarks/rollout.py            # ~3-6 minutes on 2 quiet CPU cores
+    PYTHONPATH=.:/tmp/tunix_site python benchmarks/rollout.py   # with Tunix (see tunix_bench.py)
 
-Batch 16, prompt 16, 128 new tokens, temperature 1 (top_k 0, top_p 1), every row runs to
-128 tokens (no stop ids here; eos masked in transformers), on a tiny Qwen3-style model
-(4 layers, hidden 256, 4 heads, 2 kv heads, vocab 32k) with the same weights on both sides
-(a random HF checkpoint, imported with `load_pretrained`). Prints new tokens per second,
-the ratio, the one-time compile time, and the compile count of a second call with another
-temperature, top-p and stop ids (expected 0).
+Batch 16, prompt 16, 128 new tokens, every row runs to 128 tokens (no stop ids here; eos
+masked in transformers), on a tiny Qwen3-style model (4 layers, hidden 256, 4 heads, 2 kv
+heads, vocab 32k) with the same weights on both sides (a random HF checkpoint, imported
+with `load_pretrained`). Two settings, each side measured in the same run: temperature 1
+sampling (top_k 0, top_p 1) and greedy. Prints new tokens per second and the ratios, the
+one-time compile time, the compile count of a second call with another temperature, top-p,
+top-k, stop ids and seed (expected 0), and the physical floor: a decode step must read
+every weight once, so tokens/s x weight bytes / batch is the achieved weight-read rate,
+printed as a fraction of this machine's memory bandwidth measured in the same run (a
+streaming sum over 512 MiB). The load average is printed before and after.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 
 def hf_checkpoint(path, vocab, seed=0):
@@ -43,11 +49,21 @@ def time_best(fn, repeats):
     return best
 
 
-def bench_ours(path, prompts, new, repeats):
+def memory_bandwidth_gbs(mib=512, repeats=5):
+    """Best streaming-read rate (GB/s) of a jitted sum over `mib` MiB of fp32."""
+    import jax.numpy as jnp
+    x = jnp.ones((mib * 2**20 // 4,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    jax.block_until_ready(total(x))
+    best = time_best(lambda: jax.block_until_ready(total(x)), repeats)
+    return x.nbytes / best / 1e9
+
+
+def bench_ours(path, prompts, new, repeats, temperature=1.0):
     from opd_jax.models import load_pretrained
     from opd_jax.rollout import generate
     model = load_pretrained(path)
-    kw = dict(max_new_tokens=new, temperature=1.0, top_k=0, top_p=1.0)
+    kw = dict(max_new_tokens=new, temperature=temperature, top_k=0, top_p=1.0)
 
     def run(**extra):
         res = generate(model, prompts, **{**kw, **extra})
@@ -60,18 +76,21 @@ def bench_ours(path, prompts, new, repeats):
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
         lambda e, d, **k: compiles.append(e) if e.endswith("backend_compile_duration") else None)
-    steady = time_best(lambda: run(seed=1, temperature=0.9, top_p=0.95,
-                                   stop_token_ids=[32_000]), repeats)
+    steady = time_best(lambda: run(seed=1, temperature=0.9, top_p=0.95, top_k=40,
+                                   stop_token_ids=[32_000]), 1)
     n_compiles = len(compiles)
-    steady = min(steady, time_best(lambda: run(seed=2), repeats))
-    return steady, first - steady, n_compiles
+    steady = time_best(lambda: run(seed=2), repeats)
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return steady, first - steady, n_compiles, weight_bytes
 
 
-def bench_hf(model, prompts, new, repeats):
+def bench_hf(model, prompts, new, repeats, temperature=1.0):
     import torch
     ids = torch.tensor(prompts, dtype=torch.long)
-    gen = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
-               min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    sampling = (dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+                if temperature > 0 else dict(do_sample=False))
+    gen = dict(**sampling, max_new_tokens=new, min_new_tokens=new, eos_token_id=None,
+               pad_token_id=0)
     model.generation_config.eos_token_id = None
 
     def run():
@@ -82,14 +101,14 @@ def bench_hf(model, prompts, new, repeats):
     return time_best(run, repeats)
 
 
-def bench_tunix(path, prompts, new, repeats):
+def bench_tunix(path, prompts, new, repeats, temperature=1.0):
     """Tunix's sampler on the same checkpoint; None (with the reason) when unavailable."""
     try:
         from tunix_bench import run_tunix  # benchmarks/tunix_bench.py
     except ImportError as e:
         return None, f"tunix unavailable: {e}"
     try:
-        return run_tunix(path, prompts, new, repeats), ""
+        return run_tunix(path, prompts, new, repeats, temperature=temperature), ""
     except Exception as e:  # noqa: BLE001 - a benchmark-only extra; report and go on
         return None, f"tunix failed: {type(e).__name__}: {str(e)[:200]}"
 
@@ -106,25 +125,39 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     prompts = rng.integers(1, args.vocab, (args.batch, args.prompt)).tolist()
     tokens = args.batch * args.new
+    load0 = os.getloadavg()
+    bandwidth = memory_bandwidth_gbs()
+    rows = []
     with tempfile.TemporaryDirectory() as path:
         hf = hf_checkpoint(path, args.vocab)
-        ours, compile_s, n_compiles = bench_ours(path, prompts, args.new, args.repeats)
-        theirs = bench_hf(hf, prompts, args.new, args.repeats)
-        tunix, why = bench_tunix(path, prompts, args.new, args.repeats)
+        for name, temp in (("T=1 sampling", 1.0), ("greedy", 0.0)):
+            ours, compile_s, n_compiles, weight_bytes = bench_ours(path, prompts, args.new,
+                                                                   args.repeats, temp)
+            theirs = bench_hf(hf, prompts, args.new, args.repeats, temp)
+            tunix, why = bench_tunix(path, prompts, args.new, args.repeats, temp)
+            rows.append((name, ours, theirs, tunix, why, compile_s, n_compiles, weight_bytes))
     print(f"jax {jax.__version__} on {jax.devices()[0].platform} x{len(jax.devices())}, "
           f"{os.cpu_count()} cpus; batch {args.batch}, prompt {args.prompt}, "
-          f"{args.new} new tokens, temperature 1, vocab {args.vocab}")
-    print(f"opd_jax rollout : {tokens / ours:9.1f} tok/s  ({ours:.3f} s best of "
-          f"{args.repeats})")
-    print(f"transformers    : {tokens / theirs:9.1f} tok/s  ({theirs:.3f} s)")
-    print(f"ratio ours / transformers: {theirs / ours:.2f}x")
-    if tunix is not None:
-        print(f"tunix sampler   : {tokens / tunix:9.1f} tok/s  ({tunix:.3f} s); "
-              f"ours / tunix: {tunix / ours:.2f}x")
-    else:
-        print(f"tunix sampler   : not measured ({why})")
-    print(f"compile (first call minus a warm call): {compile_s:.1f} s; compiles on a call "
-          f"with new temperature/top-p/stop ids/seed: {n_compiles}")
+          f"{args.new} new tokens, vocab {args.vocab}; load average "
+          f"{load0[0]:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print(f"memory bandwidth (streaming sum over 512 MiB, same run): {bandwidth:.1f} GB/s")
+    for name, ours, theirs, tunix, why, compile_s, n_compiles, weight_bytes in rows:
+        steps_per_s = args.new / ours
+        achieved = steps_per_s * weight_bytes / 1e9
+        print(f"--- {name}")
+        print(f"opd_jax rollout : {tokens / ours:9.1f} tok/s  ({ours:.3f} s best of "
+              f"{args.repeats}); weights read {achieved:.1f} GB/s = "
+              f"{achieved / bandwidth:.0%} of the measured bandwidth "
+              f"({weight_bytes / 2**20:.1f} MiB per decode step)")
+        print(f"transformers    : {tokens / theirs:9.1f} tok/s  ({theirs:.3f} s)")
+        print(f"ratio ours / transformers: {theirs / ours:.2f}x")
+        if tunix is not None:
+            print(f"tunix sampler   : {tokens / tunix:9.1f} tok/s  ({tunix:.3f} s); "
+                  f"ours / tunix: {tunix / ours:.2f}x")
+        else:
+            print(f"tunix sampler   : not measured ({why})")
+        print(f"compile (first call minus a warm call): {compile_s:.1f} s; compiles on a "
+              f"call with new temperature/top-k/top-p/stop ids/seed: {n_compiles}")
 
 
 if __name__ == "__main__":

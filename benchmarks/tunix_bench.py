@@ -35,7 +35,7 @@ class IdTokenizer:
         return 0
 
 
-def run_tunix(path, prompts, new, repeats):
+def run_tunix(path, prompts, new, repeats, temperature=1.0):
     """Best wall time of `repeats` sampler calls (after one warm-up call)."""
     from tunix.generate import sampler as sampler_lib
     from tunix.models.qwen3 import model as model_lib
@@ -59,7 +59,8 @@ def run_tunix(path, prompts, new, repeats):
 
     def call(seed):
         out = sampler(texts, max_generation_steps=new, max_prompt_length=P,
-                      temperature=1.0, top_p=1.0, top_k=None, seed=seed,
+                      temperature=temperature,
+                      top_p=1.0 if temperature > 0 else None, top_k=None, seed=seed,
                       eos_tokens=[cfg.vocab_size])
         lengths = [len(t) for t in out.tokens]
         assert min(lengths) == new, lengths

@@ -90,8 +90,9 @@ class SamplingParams:
 
 
 def _filter_sorted(logits_BxV, top_k_B, top_p_B):
-    """Mask (to -inf) tokens outside the top-k, then outside the top-p nucleus of the
-    renormalised top-k distribution (the HF order). Ties at the cut are broken by index."""
+    """The specification of `_filter_threshold` (same signature), by a sort: mask (to -inf)
+    tokens outside the top-k, then outside the top-p nucleus of the renormalised top-k
+    distribution (the HF order). Ties at the cut are broken by index."""
     B, V = logits_BxV.shape
     order_BxV = jnp.argsort(-logits_BxV, axis=-1, stable=True)
     sorted_BxV = jnp.take_along_axis(logits_BxV, order_BxV, axis=-1)
@@ -108,13 +109,63 @@ def _filter_sorted(logits_BxV, top_k_B, top_p_B):
     return jnp.where(keep_unsorted_BxV, logits_BxV, -jnp.inf)
 
 
+def _ordered_key(x):
+    """uint32 keys with the order of the fp32 values (negative floats reversed)."""
+    bits = lax.bitcast_convert_type(x.astype(F32), jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _bisect(lo_B, hi_B, ok):
+    """Per row, the largest uint32 key k in [lo, hi] with ok(k), where ok holds up to some
+    key and fails after, and ok(lo) holds (it is never evaluated). 32 halvings cover the
+    uint32 range; mid > lo always, so keys below lo are never formed."""
+    def body(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo + jnp.uint32(1)) // jnp.uint32(2)
+        good = ok(mid) & (hi > lo)
+        return jnp.where(good, mid, lo), jnp.where(good | (hi <= lo), hi, mid - jnp.uint32(1))
+    lo, _ = lax.fori_loop(0, 32, body, (lo_B, hi_B))
+    return lo
+
+
+def _filter_threshold(logits_BxV, top_k_B, top_p_B):
+    """Mask (to -inf) tokens outside the top-k, then outside the top-p nucleus of the
+    renormalised top-k distribution, without sorting the vocabulary.
+
+    Both cuts are value thresholds found by bisection over the fp32 bit patterns (32
+    masked reductions over V each): top-k keeps the logits >= the k-th largest; top-p
+    keeps the tokens v whose strictly more probable tokens hold < top_p of the mass
+    (the smallest threshold t with mass(p > t) < top_p, then p >= t). Equal to
+    `_filter_sorted` except where tokens tie exactly at a cut: all tied tokens are kept
+    (HF's top-k rule), not the lower indices first.
+    """
+    B, V = logits_BxV.shape
+    key_BxV = _ordered_key(logits_BxV)
+    k_B = jnp.where(top_k_B > 0, jnp.minimum(top_k_B, V), V)
+    kth_B = _bisect(jnp.min(key_BxV, axis=-1), jnp.max(key_BxV, axis=-1),
+                    lambda t_B: jnp.sum(key_BxV >= t_B[:, None], axis=-1) >= k_B)
+    keep_BxV = key_BxV >= kth_B[:, None]
+    p_BxV = jax.nn.softmax(jnp.where(keep_BxV, logits_BxV, -jnp.inf), axis=-1)
+    pkey_BxV = _ordered_key(p_BxV)
+    # mass(p > t) < top_p holds from some t on: the smallest such t is one past the
+    # largest t where it fails, found as "largest t with mass(p > t - 1) >= top_p".
+    mass_above = lambda t_B: jnp.sum(jnp.where(pkey_BxV > t_B[:, None], p_BxV, 0.0), axis=-1)
+    zero_key_B = jnp.full((B,), _ordered_key(jnp.zeros((), F32)))
+    first_ok_B = _bisect(zero_key_B, jnp.max(pkey_BxV, axis=-1),
+                         lambda t_B: mass_above(t_B - jnp.uint32(1)) >= top_p_B)
+    first_ok_B = jnp.where(top_p_B < 1.0, first_ok_B, zero_key_B)   # top_p = 1: no cut
+    keep_BxV = keep_BxV & (pkey_BxV >= first_ok_B[:, None])
+    return jnp.where(keep_BxV, logits_BxV, -jnp.inf)
+
+
 def _scaled_and_filtered(logits_BxV, params: SamplingParams) -> jax.Array:
     """logits / T (greedy rows: T = 1), then top-k / top-p (-inf outside), fp32."""
     logits_BxV = logits_BxV.astype(F32)
     temp_B = params.temperature_B
     scaled_BxV = logits_BxV / jnp.where(temp_B > 0, temp_B, 1.0)[:, None]
     needs_sort = jnp.any((params.top_k_B > 0) | (params.top_p_B < 1.0))
-    return lax.cond(needs_sort, lambda x: _filter_sorted(x, params.top_k_B, params.top_p_B),
+    return lax.cond(needs_sort, lambda x: _filter_threshold(x, params.top_k_B, params.top_p_B),
                     lambda x: x, scaled_BxV)
 
 

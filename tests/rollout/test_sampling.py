@@ -111,3 +111,24 @@ def test_two_level_search_equals_the_reference(V, temperature, top_k, top_p):
     assert (tok == ref_tok).mean() >= 0.98
     np.testing.assert_allclose(np.asarray(logp)[tok == ref_tok],
                                np.asarray(ref_logp)[tok == ref_tok], atol=1e-5)
+
+
+@pytest.mark.parametrize("V", [7, 128, 1000, 32_000])
+def test_threshold_filter_equals_the_sorted_one(V):
+    """top-k / top-p by bisection over the fp32 bit patterns keeps exactly the tokens the
+    sort-based specification keeps (random logits: no ties at the cut), for per-row k
+    (0 = off) and top_p (1 = off); with ties at a cut, every tied token is kept."""
+    from opd_jax.rollout.sampling import _filter_sorted, _filter_threshold
+    B = 16
+    for seed in range(3):
+        logits = jax.random.normal(jax.random.key(seed), (B, V)) * 3.0
+        top_k = jax.random.randint(jax.random.key(seed + 10), (B,), 0, min(V, 60))
+        top_p = jax.random.uniform(jax.random.key(seed + 20), (B,), minval=0.05, maxval=1.0)
+        top_p = top_p.at[0].set(1.0)
+        want = np.isfinite(np.asarray(jax.jit(_filter_sorted)(logits, top_k, top_p)))
+        got_logits = np.asarray(jax.jit(_filter_threshold)(logits, top_k, top_p))
+        np.testing.assert_array_equal(np.isfinite(got_logits), want)
+        np.testing.assert_array_equal(got_logits[want], np.asarray(logits)[want])
+    tied = jnp.asarray([[1.0, 3.0, 2.0, 3.0, 0.0]])
+    kept = np.isfinite(np.asarray(_filter_threshold(tied, jnp.asarray([1]), jnp.asarray([1.0]))))
+    np.testing.assert_array_equal(kept[0], [False, True, False, True, False])
