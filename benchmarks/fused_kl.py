@@ -39,17 +39,36 @@ def make_loss(kind: str, impl: str, chunk_v: int):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def measure(fns: dict, args, reps: int):
-    """AOT-compile every impl, then time them round-robin (fair under a shared, noisy CPU)."""
+def make_inputs(n: int, d: int, v: int = V):
+    """(h_s, w_s, h_t, w_t, y) of one problem, fp32, seeded by n."""
+    ks = jax.random.split(jax.random.key(n), 5)
+    return (jax.random.normal(ks[0], (n, d)), jax.random.normal(ks[1], (d, v)) * 0.05,
+            jax.random.normal(ks[2], (n, d)), jax.random.normal(ks[3], (d, v)) * 0.05,
+            jax.random.randint(ks[4], (n,), 0, v))
+
+
+def compile_all(fns: dict, args):
+    """AOT-compile every impl: ({impl: executable}, {impl: temp bytes from memory_analysis()})."""
     compiled = {k: fn.lower(*args).compile() for k, fn in fns.items()}
-    temps = {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
-    times = {k: [] for k in fns}
+    return compiled, {k: c.memory_analysis().temp_size_in_bytes for k, c in compiled.items()}
+
+
+def time_round_robin(compiled: dict, args, reps: int):
+    """{impl: median seconds}, calls alternating between impls (fair under a shared, noisy CPU)."""
+    times = {k: [] for k in compiled}
     for _ in range(reps):
         for k, c in compiled.items():
             t0 = time.perf_counter()
             jax.block_until_ready(c(*args))
             times[k].append(time.perf_counter() - t0)
-    return {k: (temps[k], statistics.median(times[k])) for k in fns}
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+def measure(fns: dict, args, reps: int):
+    """AOT-compile every impl, then time them round-robin: {impl: (temp bytes, median s)}."""
+    compiled, temps = compile_all(fns, args)
+    times = time_round_robin(compiled, args, reps)
+    return {k: (temps[k], times[k]) for k in fns}
 
 
 def main():
@@ -65,10 +84,7 @@ def main():
     print(f"{'kernel':<18} {'N':>5} {'impl':<11} {'temp MiB':>9} {'median s':>9} {'mem ratio':>10} {'time ratio':>10}")
     for kind in args.kinds:
         for n in args.n:
-            ks = jax.random.split(jax.random.key(n), 5)
-            inputs = (jax.random.normal(ks[0], (n, args.d)), jax.random.normal(ks[1], (args.d, V)) * 0.05,
-                      jax.random.normal(ks[2], (n, args.d)), jax.random.normal(ks[3], (args.d, V)) * 0.05,
-                      jax.random.randint(ks[4], (n,), 0, V))
+            inputs = make_inputs(n, args.d)
             impls = ("reference", "xla", "xla-onepass") if kind == "reverse_kl" else ("reference", "xla")
             res = measure({i: make_loss(kind, i, args.chunk_v) for i in impls}, inputs, args.reps)
             t_ref, s_ref = res["reference"]

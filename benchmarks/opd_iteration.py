@@ -168,11 +168,11 @@ def stage_table(workdir: str) -> list[str]:
     return lines
 
 
-def _commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()
-    return out.stdout.strip() + (" (with uncommitted changes)" if dirty else "")
+def commit() -> str:
+    """The checkout's short commit, marked when tracked files have uncommitted changes."""
+    run = lambda *cmd: subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = run("git", "status", "--porcelain", "--untracked-files=no")
+    return run("git", "rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else "")
 
 
 def main(argv=None):
@@ -201,7 +201,7 @@ def main(argv=None):
     load1 = os.getloadavg()
     fmt = lambda load: " ".join(f"{x:.2f}" for x in load)
     lines = [f"# python {' '.join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])}",
-             f"# commit {_commit()}; {started:%Y-%m-%d %H:%M} UTC; jax {jax.__version__} on "
+             f"# commit {commit()}; {started:%Y-%m-%d %H:%M} UTC; jax {jax.__version__} on "
              f"{jax.devices()[0].platform} x{len(jax.devices())}, {os.cpu_count()} cores ({platform.node()})",
              f"# load average before {fmt(load0)}, after {fmt(load1)}",
              f"# {args.iterations} iterations each (medians over iterations 2..{args.iterations}); student and "

@@ -27,12 +27,13 @@ import numpy as np
 from flax import nnx
 
 
-def hf_checkpoint(path, vocab, seed=0):
+def hf_checkpoint(path, vocab, seed=0, *, layers=4, hidden=256):
+    """The benchmark model (4 layers, hidden 256 unless told), random, saved at `path`."""
     import torch
     import transformers
     config = transformers.AutoConfig.for_model(
-        model_type="qwen3", vocab_size=vocab, hidden_size=256, intermediate_size=768,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        model_type="qwen3", vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
         rope_theta=1_000_000.0, tie_word_embeddings=False, max_position_embeddings=1024)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

@@ -3,7 +3,6 @@ shape) writes a table, and "triton" takes its knobs from it when the caller pass
 explicit arguments win, unknown shapes fall back; bad tables fail with clear errors."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 
@@ -12,18 +11,11 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import fused_reverse_kl, triton, tuning
+from tests.benchmarks import load
 from tests.kernels.helpers import check_value_and_grad, kl_objective, problem
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N, D, V = 37, 24, 301     # ragged for every candidate below
 SPACE = {"block_n": [8, 16], "block_v": [32], "block_d": [8], "vocab_splits": [0, 3], "chunk_v": [64]}
-
-
-def _gpu_kernels():
-    spec = importlib.util.spec_from_file_location("gpu_kernels", os.path.join(ROOT, "benchmarks", "gpu_kernels.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture
@@ -50,7 +42,7 @@ def _knobs(cfg):
 
 
 def test_sweep_writes_a_table_that_triton_reads(table, monkeypatch):
-    gk = _gpu_kernels()
+    gk = load("gpu_kernels")
     h_s, w_s, h_t, w_t, _, _ = problem(N, D, D, V)
     results = gk.sweep_shape((h_s, w_s, h_t, w_t), SPACE, reps=1, budget_s=600, tol=1e-4, interpret=True)
     # Coordinate descent from the defaults: 1 + (2 + 1 + 1 + 1 + 1) configs (vocab_splits 0 is

@@ -1,7 +1,6 @@
 """Stage times: done.json records wall and compile seconds; benchmarks/opd_iteration.py
 reads them back per stage (old records without compile times too) and builds each
 objective's profiling run from its reduced recipe with builtin:base models."""
-import importlib.util
 import json
 import os
 
@@ -11,16 +10,12 @@ import ml_collections
 import pytest
 
 from opd_jax.recipes.pipeline import CompileClock, Stage, run_stage
+from tests.benchmarks import load
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _opd_iteration():
-    spec = importlib.util.spec_from_file_location(
-        "opd_iteration", os.path.join(ROOT, "benchmarks", "opd_iteration.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load("opd_iteration")
 
 
 def test_compile_clock_counts_compiles_only_while_active():
