@@ -11,6 +11,8 @@ Commands:
                        OPD and generate (--out DIR [--archs A,B] [--layers N]; docs/models.md)
 
 Errors in configs, files and inputs print one line (``error: ...``) and exit with status 2.
+Compiled programs are cached on disk across runs (opd_jax/compile_cache.py;
+OPD_JAX_COMPILATION_CACHE=DIR to move it, =0 to turn it off).
 """
 from __future__ import annotations
 
@@ -55,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [a for a in argv if a.startswith("--config.")]
     rest = [a for a in argv if not a.startswith("--config.")]
     args = _parser().parse_args(rest)
+    if args.command not in ("build-qwen-tokenizer",):
+        from opd_jax import compile_cache
+        compile_cache.enable()            # OPD_JAX_COMPILATION_CACHE=0 turns it off
     try:
         if args.command == "build-qwen-tokenizer":
             if not args.out:
