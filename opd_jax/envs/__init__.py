@@ -7,13 +7,15 @@ and reward models. Pure Python (grain only as the consumer of the sources); no j
     env = envs.make_env(task); prompt = env.reset(task)     # "<|low|><|user|>..."
     env.step("<think>...</think>42")                       # StepResult(..., done=True)
 """
-from opd_jax.envs.base import (DEFAULT_EFFORTS, DOMAINS, KNOWN_EFFORTS, SPLITS, THINKING_MODES,
-                               EffortSpec, Environment,
+from opd_jax.envs.base import (DEFAULT_EFFORTS, DOMAINS, KNOWN_EFFORTS, PER_TURN_EFFORTS,
+                               SPLITS, THINKING_MODES, EffortSpec, Environment,
                                RewardResult, SingleTurnEnv, StepResult, Task, TaskFamily,
                                effort_spec, get_family, list_families, make_env,
-                               register_env, register_family, render_prompt, score)
-from opd_jax.envs.data import (EVAL_BUCKETS, JsonlSource, MixtureSource, TaskSource,
-                               grid_source, load_jsonl, save_jsonl, split_of)
+                               register_env, register_family, render_prompt, score,
+                               turn_control, turn_mode, turn_modes)
+from opd_jax.envs.data import (EVAL_BUCKETS, SCHEDULE_TURNS, JsonlSource, MixtureSource,
+                               TaskSource, draw_turn_modes, grid_source, load_jsonl,
+                               save_jsonl, split_of)
 from opd_jax.envs.parsing import count_tokens, parse_response
 from opd_jax.envs.rewards import (CompositeReward, GenerativeRewardModel, LengthReward,
                                   format_reward, score_batch, step_many,
@@ -21,11 +23,13 @@ from opd_jax.envs.rewards import (CompositeReward, GenerativeRewardModel, Length
 from opd_jax.envs import agent, coding, general  # noqa: F401  (register built-in families)
 
 __all__ = [
-    "DEFAULT_EFFORTS", "DOMAINS", "KNOWN_EFFORTS", "SPLITS", "THINKING_MODES", "EffortSpec", "Environment", "RewardResult",
+    "DEFAULT_EFFORTS", "DOMAINS", "KNOWN_EFFORTS", "PER_TURN_EFFORTS", "SPLITS",
+    "THINKING_MODES", "EffortSpec", "Environment", "RewardResult",
     "SingleTurnEnv", "StepResult", "Task", "TaskFamily", "effort_spec", "get_family",
     "list_families", "make_env", "register_env", "register_family", "render_prompt", "score",
-    "EVAL_BUCKETS", "JsonlSource", "MixtureSource", "TaskSource", "grid_source", "load_jsonl",
-    "save_jsonl", "split_of",
+    "turn_control", "turn_mode", "turn_modes",
+    "EVAL_BUCKETS", "SCHEDULE_TURNS", "JsonlSource", "MixtureSource", "TaskSource",
+    "draw_turn_modes", "grid_source", "load_jsonl", "save_jsonl", "split_of",
     "count_tokens", "parse_response", "CompositeReward", "GenerativeRewardModel",
     "LengthReward", "format_reward", "score_batch", "step_many", "task_reward",
 ]

@@ -12,6 +12,13 @@ it must have been looked up (values are random per task, so guessing scores ~0 a
 Thinking in all turns counts against the effort's think budget. Difficulty 1..5 raises the
 number of names and the size of their values.
 
+Per-turn thinking (effort "think_mixed"): every assistant turn has its own mode from the
+task's schedule (`base.turn_mode`); the observation that opens a turn carries its mode token,
+"<|tool|>7<|think_off|><|assistant|>" (student role; the prompt carries turn 0's). A
+think_off turn must not think and a think_on turn must think (`parsing.mode_violation`);
+an episode with a disobeyed turn scores 0 (info["mode_violations"] says which), and the
+think_on turns' thinking together stays within the effort's budget (64).
+
 Family `tool_chain` (the testbed family) offers only `lookup`: "Tools: lookup NAME.
 kiwi+fig-plum=?" with one-digit values and 2, 3, 4, 6, 8 names at difficulty 1..5. With no
 calculator the final sum needs a scratchpad over the looked-up values (notes "kiwi=7", then
@@ -24,7 +31,8 @@ import re
 
 from opd_jax.envs import parsing
 from opd_jax.envs.base import (RewardResult, StepResult, Task, TaskFamily, effort_spec,
-                               register_env, register_family, render_prompt)
+                               register_env, register_family, render_prompt, turn_control,
+                               turn_mode, turn_modes)
 
 NAMES = ("kiwi", "fig", "plum", "lime", "pear", "date", "yam", "corn", "bean", "leek",
          "kale", "okra", "nut", "rice", "oat", "rye", "pea", "taro", "sage", "mint")
@@ -121,7 +129,9 @@ class ToolEnv:
         if "table" not in task.reference or "answer" not in task.reference:
             raise ValueError(f"task {task.id!r}: tool_lookup needs reference table and "
                              f"answer, got keys {sorted(task.reference)}")
-        self.task, self.turns, self.think_tokens = task, 0, 0
+        self.task, self.turns, self.think_tokens, self.role = task, 0, 0, role
+        self.modes = turn_modes(task)          # None: thinking switched per prompt
+        self.violations: list[str] = []        # per-turn mode violations, "turn t: why"
         self.looked_up: set[str] = set()
         self.n_calls = self.n_invalid = 0
         # Enough turns for every lookup, a calc, and the answer, plus one slip.
@@ -147,19 +157,26 @@ class ToolEnv:
     def _done(self, score: float, info: dict) -> StepResult:
         info.update(turns=self.turns, n_calls=self.n_calls, n_invalid=self.n_invalid,
                     looked_up=sorted(self.looked_up))
+        if self.modes is not None:
+            info.update(turn_modes=list(self.modes[:self.turns]),
+                        mode_violations=list(self.violations))
         self.task = None
         return StepResult("", score, True, info)
 
     def step(self, assistant_text: str) -> StepResult:
         if self.task is None:
             raise RuntimeError("step() before reset() or after done: call env.reset(task)")
-        self.turns += 1
+        turn, self.turns = self.turns, self.turns + 1
         i = assistant_text.find(parsing.TOOL_OPEN)
         before = assistant_text if i < 0 else assistant_text[:i]
         parsed = parsing.parse_response(before)
         if parsed.error:
             return self._done(0.0, {"error": parsed.error, "correct": 0.0})
         self.think_tokens += parsing.count_tokens(parsed.think)
+        if self.modes is not None:
+            why = parsing.mode_violation(parsed, turn_mode(self.task, turn))
+            if why:
+                self.violations.append(f"turn {turn}: {why}")
         spec = effort_spec(self.task)
         if i >= 0:  # a tool call; text after </tool_call> is ignored (the sampler stops)
             j = assistant_text.find(parsing.TOOL_CLOSE, i)
@@ -169,7 +186,8 @@ class ToolEnv:
             self.n_invalid += result.startswith("error")
             if self.turns >= self._limit:
                 return self._done(0.0, {"error": "max_turns", "correct": 0.0})
-            return StepResult(f"<|tool|>{result}<|assistant|>", 0.0, False,
+            control = turn_control(self.task, self.turns, self.role)  # the next turn's mode
+            return StepResult(f"<|tool|>{result}{control}<|assistant|>", 0.0, False,
                               {"tool_result": result})
         pred = parsing.strip_answer_prefix(parsed.answer)
         ref = self.task.reference
@@ -179,36 +197,60 @@ class ToolEnv:
         missing = sorted(set(ref["table"]) - self.looked_up) if self.require_lookups else []
         correct = float(right and not missing)
         s, eff = parsing.apply_effort(correct, self.think_tokens, spec)
+        if self.violations:       # a turn disobeyed its thinking mode: like over budget
+            s = 0.0
         return self._done(s, {"correct": correct, "pred": pred[:32], "missing": missing,
                               **eff})
 
 
+def _thinks(task: Task, turn: int) -> bool:
+    """Turn `turn` of a per-turn task is think_on (False for per-prompt tasks)."""
+    return turn_modes(task) is not None and turn_mode(task, turn).think_budget > 0
+
+
+def _note(task: Task, turn: int, note: str) -> str:
+    """A demo turn's thinking under a per-turn schedule: "<think>note</think>" when turn
+    `turn` is think_on, "" when think_off or when the task is switched per prompt."""
+    return f"{parsing.THINK_OPEN}{note}{parsing.THINK_CLOSE}" if _thinks(task, turn) else ""
+
+
+def _lookups(task: Task, env: ToolEnv) -> str:
+    """The demo's lookup turns (each noting the name it looks up on a think_on turn)."""
+    text = ""
+    for turn, name in enumerate(re.findall(r"[a-z]+", task.reference["expr"])):
+        call = f"{_note(task, turn, name)}{parsing.TOOL_OPEN}lookup {name}{parsing.TOOL_CLOSE}"
+        text += call + env.step(call).observation
+    return text
+
+
 def tool_demo(task: Task) -> str:
-    """A correct episode after the prompt: lookups, then think (or calc) and the answer."""
+    """A correct episode after the prompt: lookups, then think (or calc) and the answer.
+    Per-turn tasks think exactly on their think_on turns."""
     env = ToolEnv()
     env.reset(task)
     table, expr, ans = task.reference["table"], task.reference["expr"], task.reference["answer"]
-    text = ""
-    for name in re.findall(r"[a-z]+", expr):
-        call = f"{parsing.TOOL_OPEN}lookup {name}{parsing.TOOL_CLOSE}"
-        text += call + env.step(call).observation
+    text = _lookups(task, env)
     think = f"{_substitute(expr, table)}={ans}"
-    if parsing.count_tokens(think) <= effort_spec(task).think_budget:
+    turn, left = env.turns, effort_spec(task).think_budget - env.think_tokens
+    mixed = turn_modes(task) is not None
+    if parsing.count_tokens(think) <= left and (not mixed or _thinks(task, turn)):
         return text + f"{parsing.THINK_OPEN}{think}{parsing.THINK_CLOSE}{ans}"
-    call = f"{parsing.TOOL_OPEN}calc {_substitute(expr, table)}{parsing.TOOL_CLOSE}"
-    return text + call + env.step(call).observation + ans
+    call = (f"{_note(task, turn, 'calc')}{parsing.TOOL_OPEN}calc {_substitute(expr, table)}"
+            f"{parsing.TOOL_CLOSE}")
+    return text + call + env.step(call).observation + _note(task, turn + 1, ans) + ans
 
 
 def chain_demo(task: Task) -> str:
-    """A correct tool_chain episode: every lookup, then the scratchpad that fits the budget."""
+    """A correct tool_chain episode: every lookup, then the scratchpad that fits the budget
+    (per-turn tasks: the answer alone on a think_off last turn)."""
     env = ToolEnv()
     env.reset(task)
-    text = ""
-    for name in re.findall(r"[a-z]+", task.reference["expr"]):
-        call = f"{parsing.TOOL_OPEN}lookup {name}{parsing.TOOL_CLOSE}"
-        text += call + env.step(call).observation
+    text = _lookups(task, env)
+    budget = effort_spec(task).think_budget - env.think_tokens
+    if turn_modes(task) is not None and not _thinks(task, env.turns):
+        budget = 0
     return text + parsing.fit_scratchpad(task.reference["forms"], task.reference["answer"],
-                                         effort_spec(task).think_budget)
+                                         budget)
 
 
 def split_turns(transcript: str) -> list[str]:

@@ -14,6 +14,11 @@ responses to them; an `Environment` turns a task into turns:
 
 Single-turn tasks use `SingleTurnEnv` (one step, done). The student prompt starts with the
 effort control token (`<|low|>`...); the teacher prompt omits it (`render_prompt(role=...)`).
+
+Thinking switched per assistant turn (effort "think_mixed", multi-turn tasks only): the task
+carries its schedule, `meta["turn_modes"]` (one THINKING_MODES name per turn); turn t obeys
+`turn_mode(task, t)`. The prompt carries turn 0's mode token, and the observation that opens
+turn t carries turn t's ("<|tool|>7<|think_off|><|assistant|>").
 """
 from __future__ import annotations
 
@@ -60,6 +65,15 @@ THINKING_MODES: dict[str, EffortSpec] = {
     "think_off": EffortSpec("think_off", "<|think_off|>", think_budget=0, length_penalty=0.0),
 }
 KNOWN_EFFORTS: dict[str, EffortSpec] = {**DEFAULT_EFFORTS, **THINKING_MODES}
+# GLM-style thinking switched per assistant turn of a multi-turn episode: each turn is
+# think_on or think_off by the task's schedule (meta["turn_modes"], see `turn_mode`). The
+# spec's budget bounds the thinking of all think-on turns together (no length penalty); its
+# control token is empty because every turn carries its own mode's token.
+PER_TURN_EFFORTS: dict[str, EffortSpec] = {
+    "think_mixed": EffortSpec("think_mixed", "",
+                              think_budget=THINKING_MODES["think_on"].think_budget,
+                              length_penalty=0.0),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +111,7 @@ class Task:
             raise ValueError(f"task {self.id!r}: reference must be a dict, got "
                              f"{type(self.reference).__name__}")
         effort_spec(self)  # unknown effort fails here, not at scoring time
+        turn_modes(self)   # and a per-turn effort without a valid schedule
 
     def __hash__(self):  # the dict fields are unhashable; equal tasks share these
         return hash((self.id, self.family, self.effort, self.prompt, self.split))
@@ -122,32 +137,83 @@ class Task:
             effort = effort.name
         else:
             meta.pop("effort_spec", None)
+        if effort not in PER_TURN_EFFORTS:   # a schedule belongs to a per-turn effort only
+            meta.pop("turn_modes", None)
         return dataclasses.replace(self, effort=effort, meta=meta)
 
 
 def effort_spec(task: Task) -> EffortSpec:
-    """The task's EffortSpec: meta["effort_spec"] if set, else DEFAULT_EFFORTS[effort]."""
+    """The task's EffortSpec: meta["effort_spec"] if set, else KNOWN_EFFORTS[effort] (or
+    PER_TURN_EFFORTS[effort])."""
     if "effort_spec" in task.meta:
         spec = EffortSpec(**task.meta["effort_spec"])
         if spec.name != task.effort:
             raise ValueError(f"task {task.id!r}: effort={task.effort!r} but meta effort_spec "
                              f"is named {spec.name!r}")
         return spec
+    if task.effort in PER_TURN_EFFORTS:
+        return PER_TURN_EFFORTS[task.effort]
     if task.effort not in KNOWN_EFFORTS:
         raise ValueError(f"task {task.id!r}: effort={task.effort!r}, expected one of "
-                         f"{tuple(KNOWN_EFFORTS)} or a meta['effort_spec']")
+                         f"{tuple(KNOWN_EFFORTS) + tuple(PER_TURN_EFFORTS)} or a "
+                         f"meta['effort_spec']")
     return KNOWN_EFFORTS[task.effort]
+
+
+def turn_modes(task: Task) -> tuple[str, ...] | None:
+    """The per-turn thinking schedule of a per-turn task (effort in PER_TURN_EFFORTS), one
+    THINKING_MODES name per assistant turn; None for every other task. Checked: only
+    per-turn tasks carry one, of known modes, and only multi-turn tasks are per-turn."""
+    modes = task.meta.get("turn_modes")
+    if task.effort not in PER_TURN_EFFORTS:
+        if modes is not None:
+            raise ValueError(f"task {task.id!r}: meta['turn_modes'] is set but effort="
+                             f"{task.effort!r} is switched per prompt; expected effort in "
+                             f"{tuple(PER_TURN_EFFORTS)}")
+        return None
+    if task.env is None:
+        raise ValueError(f"task {task.id!r}: effort={task.effort!r} switches thinking per "
+                         f"assistant turn, but family {task.family!r} is single-turn; "
+                         f"expected a multi-turn task (env set)")
+    if (not isinstance(modes, (list, tuple)) or not modes
+            or any(m not in THINKING_MODES for m in modes)):
+        raise ValueError(f"task {task.id!r}: meta['turn_modes']={modes!r}, expected a "
+                         f"non-empty list of {tuple(THINKING_MODES)} (one per assistant turn)")
+    return tuple(modes)
+
+
+def turn_mode(task: Task, turn: int) -> EffortSpec:
+    """The EffortSpec assistant turn `turn` (0-based) obeys: the task's own effort, or for a
+    per-turn task THINKING_MODES[meta["turn_modes"][turn]] (think_on / think_off)."""
+    modes = turn_modes(task)
+    if modes is None:
+        return effort_spec(task)
+    if not 0 <= turn < len(modes):
+        raise ValueError(f"task {task.id!r}: turn {turn} has no thinking mode; its schedule "
+                         f"meta['turn_modes'] covers turns 0..{len(modes) - 1}")
+    return THINKING_MODES[modes[turn]]
+
+
+def turn_control(task: Task, turn: int, role: str = "student") -> str:
+    """The mode token an observation puts before turn `turn` of a per-turn task (student
+    role); "" for other tasks and for the teacher role (which sees no control tokens)."""
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}, expected one of {ROLES}")
+    if role != "student" or turn_modes(task) is None:
+        return ""
+    return turn_mode(task, turn).control_token
 
 
 def render_prompt(task: Task, role: str = "student") -> str:
     """Chat-format prompt. Student: "<|high|><|user|>3+4=?<|assistant|>"; teacher: no control.
 
+    A per-turn task's prompt carries its first turn's mode token ("<|think_off|><|user|>...").
     The student's trajectory after this prefix is identical under both roles, so the
     teacher scores it by swapping only the prefix.
     """
     if role not in ROLES:
         raise ValueError(f"role={role!r}, expected one of {ROLES}")
-    control = effort_spec(task).control_token if role == "student" else ""
+    control = turn_mode(task, 0).control_token if role == "student" else ""
     return f"{control}<|user|>{task.prompt}<|assistant|>"
 
 

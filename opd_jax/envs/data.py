@@ -15,6 +15,11 @@ hash of the family name and its canonical form (`split_of`; 1 problem in EVAL_BU
 eval). A source of one split redraws (attempt 1, 2, ... of the same index) until the problem
 is in its split, so no seed, size or index can make a train source yield an eval problem.
 Trainers build train sources (the default); every evaluation builds eval sources.
+
+A per-turn effort ("think_mixed", multi-turn families) also draws each task's thinking
+schedule, `meta["turn_modes"]` (SCHEDULE_TURNS entries of think_on / think_off), from its
+own rng keyed like the problem's (`draw_turn_modes`): the same index gives the same problem
+under every effort and the same schedule every time.
 """
 from __future__ import annotations
 
@@ -24,16 +29,28 @@ import os
 import random
 from typing import Iterable, Sequence
 
-from opd_jax.envs.base import KNOWN_EFFORTS, SPLITS, EffortSpec, Task, get_family
+from opd_jax.envs.base import (KNOWN_EFFORTS, PER_TURN_EFFORTS, SPLITS, THINKING_MODES,
+                               EffortSpec, Task, get_family)
 
 EVAL_BUCKETS = 11       # 1/11 of every problem space is eval, 10/11 train
 MAX_SPLIT_ATTEMPTS = 2_000
+# Turns in a drawn per-turn schedule: more than any built-in environment allows
+# (tool_chain at difficulty 5: 8 lookups + 3), and than the testbed's max_turns=10.
+SCHEDULE_TURNS = 16
 
 
 def task_rng(family: str, seed: int, difficulty: int, index: int,
              attempt: int = 0) -> random.Random:
     key = f"{family}/{seed}/{difficulty}/{index}" + (f"/{attempt}" if attempt else "")
     return random.Random(int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little"))
+
+
+def draw_turn_modes(family: str, seed: int, difficulty: int, index: int,
+                    turns: int = SCHEDULE_TURNS) -> list[str]:
+    """A per-turn thinking schedule: each turn think_on or think_off with probability 1/2,
+    from an rng keyed by (family, seed, difficulty, index) apart from the problem's."""
+    rng = task_rng(f"{family}/turn_modes", seed, difficulty, index)
+    return [rng.choice(tuple(THINKING_MODES)) for _ in range(turns)]
 
 
 def split_of(family: str, prompt: str, reference: dict) -> str:
@@ -52,8 +69,10 @@ def check_split(split: str) -> str:
 class TaskSource:
     """Procedural tasks of one family in one (effort, difficulty) cell; len == size.
 
-    effort: a name in KNOWN_EFFORTS (low/high/max, think_on/think_off) or an EffortSpec
-    (stored in each task's meta so the cell's budget and penalty travel with the task).
+    effort: a name in KNOWN_EFFORTS (low/high/max, think_on/think_off), a per-turn effort
+    (PER_TURN_EFFORTS: think_mixed, multi-turn families; each task gets its drawn schedule
+    in meta["turn_modes"]) or an EffortSpec (stored in each task's meta so the cell's budget
+    and penalty travel with the task).
     split: "train" (what trainers draw) or "eval" (what every evaluation draws).
     """
 
@@ -68,9 +87,14 @@ class TaskSource:
                              f"{fam.max_difficulty}")
         if not (isinstance(size, int) and size > 0):
             raise ValueError(f"size={size!r}: expected a positive int")
-        if isinstance(effort, str) and effort not in KNOWN_EFFORTS:
-            raise ValueError(f"effort={effort!r}: expected one of {tuple(KNOWN_EFFORTS)} or "
-                             f"an EffortSpec")
+        if isinstance(effort, str) and effort not in {**KNOWN_EFFORTS, **PER_TURN_EFFORTS}:
+            raise ValueError(f"effort={effort!r}: expected one of "
+                             f"{tuple(KNOWN_EFFORTS) + tuple(PER_TURN_EFFORTS)} or an "
+                             f"EffortSpec")
+        if isinstance(effort, str) and effort in PER_TURN_EFFORTS and fam.env is None:
+            raise ValueError(f"effort={effort!r} switches thinking per assistant turn, but "
+                             f"family {fam.name!r} is single-turn; expected a multi-turn "
+                             f"family (e.g. tool_chain, tool_lookup)")
         # The name, not the object: sources must pickle for grain workers (a worker
         # imports the module that registers a custom family before reading).
         self.family, self.size, self.seed, self.difficulty = fam.name, size, seed, difficulty
@@ -101,6 +125,8 @@ class TaskSource:
                                    "think_budget": effort.think_budget,
                                    "length_penalty": effort.length_penalty}
             effort = effort.name
+        if effort in PER_TURN_EFFORTS:
+            meta["turn_modes"] = draw_turn_modes(fam.name, self.seed, self.difficulty, index)
         tid = f"{fam.name}-d{self.difficulty}-{self.split}-s{self.seed}-{index}"
         return Task(tid, fam.name, fam.domain, effort, prompt, ref, fam.env, meta, self.split)
 

@@ -100,6 +100,24 @@ def apply_effort(correct: float, think_tokens: int, spec: EffortSpec) -> tuple[f
                "over_budget": over, "effort": spec.name}
 
 
+def mode_violation(parsed: Parsed, mode: EffortSpec,
+                   count_fn: Callable[[str], int] = count_tokens) -> str | None:
+    """Why one assistant turn disobeys its per-turn thinking mode, or None if it obeys.
+
+    A mode with budget 0 (think_off) must not think (an empty "<think></think>", what the
+    sampler's forced close leaves, is no thinking); any other (think_on) must think (a think
+    span with at least one token).
+
+    >>> mode_violation(parse_response("<think>7+3</think>10"),
+    ...                EffortSpec("think_off", "<|think_off|>", 0, 0.0))
+    'thought in a think_off turn'
+    """
+    used = count_fn(parsed.think)
+    if mode.think_budget == 0:
+        return "thought in a think_off turn" if used > 0 else None
+    return None if used > 0 else "no thinking in a think_on turn"
+
+
 def verified_reward(parsed: Parsed, correct: float, spec: EffortSpec,
                     count_fn: Callable[[str], int] = count_tokens, **details) -> tuple:
     """(score, details) for a parsed single-turn response that a verifier marked `correct`."""

@@ -14,6 +14,12 @@ the history is never re-prefilled). When the cache's shared slots would run out,
 histories are re-prefilled into a larger cache (exact: positions are per row, and the
 token at position p of row r always draws the uniform of (seed, r, p)).
 
+Thinking budgets: with `use_think_budget`, the sampler forces </think> once a think span
+reaches the budget of the mode the row's turn obeys (`envs.turn_mode`): the task's effort,
+or for a per-turn task (effort think_mixed) its schedule's mode of that turn, so a think_off
+turn can open no thinking (budget 0) and a think_on turn gets think_on's budget. The
+budgets are set per row at the start of every turn.
+
 With `wal_path`, every `steps_per_call` decode steps the new tokens are appended to a
 token write-ahead log (`opd_jax.rollout.wal`), with each row's turn end and each
 environment step. A killed job called again with the same arguments replays the log:
@@ -120,8 +126,14 @@ class _Play:
                                  f"{self.max_pos} positions")
         stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
         strings = sorted({s for e in self.envs for s in getattr(e, "stop_strings", ())})
-        budgets = [envs.effort_spec(t).think_budget if sampling.use_think_budget else None
-                   for t in tasks]
+        self.schedules = [envs.turn_modes(t) for t in tasks]   # per-turn tasks' modes
+        for t, modes in zip(tasks, self.schedules):
+            if modes is not None and len(modes) < sampling.max_turns:
+                raise ValueError(f"task {t.id!r}: its thinking schedule meta['turn_modes'] "
+                                 f"has {len(modes)} turns but max_turns={sampling.max_turns}; "
+                                 f"expected a mode for every turn (at least "
+                                 f"{sampling.max_turns})")
+        budgets = [self.turn_budget(b, 0) for b in range(self.B)]
         has_budget = any(b is not None for b in budgets)
         self.params = SamplingParams.create(
             self.B, temperature=sampling.temperature, top_k=sampling.top_k,
@@ -129,6 +141,7 @@ class _Play:
             stop_sequences=stop_sequences(tokenizer, strings),
             think_ids=think_ids(tokenizer) if has_budget else (NO_TOKEN, NO_TOKEN))
         self.budget_B = np.array([NO_BUDGET if b is None else b for b in budgets], np.int32)
+        self.budget0_B = self.budget_B.copy()    # the first turn's, part of the job identity
         # the turn in progress, per row: tokens, sampler log-probs, forced flags
         self.cur = [[] for _ in range(self.B)]
         self.cur_lp = [[] for _ in range(self.B)]
@@ -139,6 +152,28 @@ class _Play:
         self.stats = {"resumed_tokens": 0, "cache_reloads": -1}   # the first load is no reload
 
     # -- bookkeeping on the host ---------------------------------------------------------
+    def turn_budget(self, b: int, turn: int) -> int | None:
+        """Row b's think budget in turn `turn`: its mode's (None without use_think_budget)."""
+        if not self.sampling.use_think_budget:
+            return None
+        return envs.turn_mode(self.tasks[b], turn).think_budget
+
+    def set_turn_budgets(self, live, turn: int) -> None:
+        """Per-turn tasks: each live row's forced-</think> budget becomes its turn's mode's
+        (in the host copy the next cache load uses, and in the live engine state)."""
+        if not self.sampling.use_think_budget or all(m is None for m in self.schedules):
+            return
+        new_B = self.budget_B.copy()
+        for b in live:
+            new_B[b] = self.turn_budget(b, turn)
+        if np.array_equal(new_B, self.budget_B):
+            return
+        self.budget_B = new_B
+        if self.state is not None:
+            from opd_jax import sharding as sh
+            self.state = self.state.replace(
+                think_budget_B=sh.put(new_B, self.state.think_budget_B.sharding))
+
     def context_len(self, b: int) -> int:
         ep = self.eps[b]
         return len(ep.prompt_ids) + len(ep.response_ids) + len(self.cur[b])
@@ -155,7 +190,9 @@ class _Play:
         h = hashlib.sha256()
         for ep in self.eps:
             h.update(np.asarray(ep.prompt_ids, np.int64).tobytes() + b"|")
-        h.update(self.budget_B.tobytes())
+        h.update(self.budget0_B.tobytes())
+        if any(m is not None for m in self.schedules):
+            h.update(json.dumps(self.schedules).encode())
         h.update(json.dumps([dataclasses.asdict(self.sampling), self.role, int(self.seed),
                              identity], sort_keys=True, default=str).encode())
         return dict(version=2, kind="episodes", batch=self.B, seed=int(self.seed),
@@ -331,6 +368,7 @@ class _Play:
                 live = self.live_rows(turn)
                 if not live:
                     break
+                self.set_turn_budgets(live, turn)
                 if self.state is None and any(self.cur[b] or self.turn_end[b] for b in live):
                     # resumed inside this turn: history and logged tokens into the cache
                     self.load(set(live), turn, max(0, max(self.room(b, turn) - len(self.cur[b])

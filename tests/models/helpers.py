@@ -1,4 +1,6 @@
-"""Fast random models for tests: eval_shape + numpy fill (no per-op XLA compiles)."""
+"""Fast random models for tests (eval_shape + numpy fill: no per-op XLA compiles), and
+`ScriptedPolicy`, a model that writes fixed transcripts through the rollout engine."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -37,3 +39,33 @@ def with_config(model: Transformer, **changes) -> Transformer:
 
 def random_tokens(B: int, T: int, vocab: int, seed: int = 0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (B, T)), jnp.int32)
+
+
+class ScriptedPolicy(nnx.Module):
+    """A model that writes fixed transcripts: at position p, row b predicts token p + 1 of
+    `script_BxL[b]` (-1: the wrapped model's own logits). Greedy sampling through the
+    rollout engine (cache, stop strings, forced tokens) then writes each row's script."""
+
+    def __init__(self, inner: Transformer, script_BxL):
+        self.inner, self.config = inner, inner.config
+        self.script = nnx.Variable(jnp.asarray(script_BxL, jnp.int32))
+
+    def init_cache(self, *args, **kwargs):
+        return self.inner.init_cache(*args, **kwargs)
+
+    def __call__(self, tokens_BxT, *, positions_BxT, cache, attention_mask_BxT=None):
+        logits_BxTxV, cache = self.inner(tokens_BxT, positions_BxT=positions_BxT, cache=cache,
+                                         attention_mask_BxT=attention_mask_BxT)
+        s_BxL = self.script[...]
+        nxt_BxT = jnp.take_along_axis(s_BxL, jnp.clip(positions_BxT + 1, 0, s_BxL.shape[1] - 1),
+                                      axis=1)
+        onehot_BxTxV = jax.nn.one_hot(nxt_BxT, logits_BxTxV.shape[-1]) * 1e4
+        return jnp.where((nxt_BxT >= 0)[..., None], onehot_BxTxV, logits_BxTxV), cache
+
+
+def script_rows(rows_ids, pad: int = 8) -> np.ndarray:
+    """[B, L] script of token-id rows (each its full sequence from position 0), -1 after."""
+    script = np.full((len(rows_ids), max(map(len, rows_ids)) + pad), -1, np.int32)
+    for b, row in enumerate(rows_ids):
+        script[b, :len(row)] = row
+    return script
