@@ -1,6 +1,7 @@
 """Config sections shared by the config files here (imported as a sibling); not a config."""
 import ml_collections
 
+from opd_jax.envs.rewards import DEFAULT_RUBRIC
 from opd_jax.sharding import DEFAULT_RULES
 
 
@@ -73,6 +74,12 @@ def policy_base(init_from: str = "") -> ml_collections.ConfigDict:
         # DAPO soft overlong punishment: the last `overlong_buffer` tokens before
         # max_new_tokens x max_turns ramp the reward down to -1 (0 = off)
         overlong_buffer=0))
+    # A generative reward model mixed into the task reward (opd_jax/trainers/judge.py):
+    # training reward = task + weight * judge score in [0, 1]; path "" = no judge.
+    c.rewards = ml_collections.ConfigDict(dict(judge=ml_collections.ConfigDict(dict(
+        path="",                 # HF folder, opd_jax workdir or builtin:NAME
+        rubric=DEFAULT_RUBRIC,   # what the judge scores, 0-10
+        weight=0.0, max_new_tokens=16, include_reference=False, batch_size=64))))
     c.optim = optim_config(lr=1e-4, warmup_steps=0, schedule="constant", weight_decay=0.0)
     c.train = ml_collections.ConfigDict(dict(steps=30, log_every=1, ckpt_every=10,
                                              keep_checkpoints=2,

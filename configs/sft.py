@@ -32,7 +32,8 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         task="addition",                  # built-in synthetic task (source="synthetic")
         tasks=ml_collections.ConfigDict(dict(   # source="tasks": envs task demos (cold start)
             families={"general": "arithmetic"}, efforts=("low", "high", "max"),
-            difficulty=1, size=2000, seed=0)),
+            difficulty=1, size=2000, seed=0,
+            cells=())),   # non-empty: only these "domain/effort" cells of the grid
         corpus=ml_collections.ConfigDict(dict(  # source="corpus": the base model's corpus
             per_cell=300, testbed_per_cell=1200)),
         num_examples=2000,

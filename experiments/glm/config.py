@@ -6,8 +6,10 @@ Run (from the repository root):
 
 Domains stand in for GLM's stages on the testbed (docs/testbed.md; from the shipped base):
 reasoning = general (chain), agentic = agent (tool_chain, multi-turn), general = coding
-(code_trace). Thinking is switched per prompt
-(<|think_on|> / <|think_off|>). Presets: ``reduced`` (1 seed, CPU tens of minutes),
+(code_trace). Thinking is switched per prompt (<|think_on|> / <|think_off|>) and, on the
+multi-turn agent domain, also per assistant turn (effort think_mixed). General RL mixes a
+generative judge's score into its reward (``c.judge``).
+Presets: ``reduced`` (1 seed, CPU tens of minutes),
 ``full`` (3 seeds), ``smoke`` (tests; a random 1-layer model), ``scale_v5p64`` / ``scale_8xh100`` (every stage a
 Qwen3-1.7B on a TPU v5p-64 or 8xH100 mesh; compile-checked, not run:
 ``python -m opd_jax.recipes.scale_up --config experiments/glm/config.py:scale_8xh100``).
@@ -17,7 +19,7 @@ import ml_collections
 from opd_jax.recipes import policy_overrides as run
 from opd_jax.recipes import on_testbed, shrink_for_smoke
 from opd_jax.recipes import trainer_config as base
-from opd_jax.recipes.scale_up import MESHES, apply_scale
+from opd_jax.recipes.scale_up import CHECKPOINTS, MESHES, STUDENT, apply_scale
 from opd_jax.recipes.testbed import TESTBED
 
 
@@ -27,7 +29,10 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     c.tokenizer = "synthetic"
     c.seeds = (0,)
     c.domains = dict(TESTBED)     # general: chain, agent: tool_chain, coding: code_trace
-    c.efforts = ("think_on", "think_off")
+    c.efforts = ("think_on", "think_off")      # per prompt, on every domain
+    # Domains that also train and evaluate thinking switched per assistant turn (effort
+    # think_mixed: each turn's mode from the task's schedule, opened by its mode token).
+    c.per_turn = ("agent",)
     # (stage, domains it trains on), in order (a tuple: ConfigDict maps do not keep order)
     c.stages = (("reasoning_rl", ("general",)), ("agentic_rl", ("agent",)),
                 ("general_rl", ("coding",)))
@@ -44,6 +49,16 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     # Sampled-token OPD needs many rollouts per step at a small lr (see learning_check).
     c.student = base("opd.py:glm_cross_stage", *run(steps=40, lr=1e-4, prompts=64),
                      "--config.rl.minibatches=4")
+    # GLM's General RL mixes a generative reward model into the verifier's reward: the
+    # judge reads the rubric, the task, the reference and the final answer, and its score
+    # (0-10 -> [0, 1]) is added with this weight (a `rewards.judge` section,
+    # opd_jax/trainers/judge.py). The shipped base is not trained to judge: this wires the
+    # path, it is not a tuned reward model.
+    c.judge_stages = ("general_rl",)
+    c.judge = ml_collections.ConfigDict(dict(
+        path="builtin:base", weight=0.2, max_new_tokens=8, include_reference=True,
+        rubric="Score 10 if the response is the program's printed output (the reference), "
+               "else 0.", batch_size=64))
     c.merge = ml_collections.ConfigDict(dict(method="average"))
     c.eval = base("eval.py:grid").eval
     c.eval.n = 64
@@ -54,15 +69,16 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
         c.seeds = (0, 1, 2)
         c.rl.train.steps = 40
         c.student.train.steps = 40
-    elif arg == "smoke":
-        c.domains = {"general": "chain", "coding": "code_trace"}
-        c.stages = (("reasoning_rl", ("general",)), ("general_rl", ("coding",)))
-        c.stage_teachers = {"general": "reasoning_rl", "coding": "general_rl"}
+    elif arg == "smoke":      # two RL stages; agent rides with reasoning (per-turn mode)
+        c.stages = (("reasoning_rl", ("general", "agent")), ("general_rl", ("coding",)))
+        c.stage_teachers = {"general": "reasoning_rl", "agent": "reasoning_rl",
+                            "coding": "general_rl"}
         shrink_for_smoke(c, c.rl, c.student)
         c.specialist_sft.train.steps = 2
     elif arg in MESHES:          # scale_v5p64, scale_8xh100: real sizes, compile-checked
         c.specialist_sft.train.steps = 0
         apply_scale(c, arg)
+        c.judge.update(dict(path=CHECKPOINTS[STUDENT], max_new_tokens=64))  # a placeholder
     else:
         raise KeyError(f"presets are reduced, full, smoke, {', '.join(MESHES)}; got {arg!r}")
     return c

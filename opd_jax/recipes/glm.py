@@ -5,7 +5,11 @@ one; after every stage every domain is evaluated, so the table shows what later 
 the model forget. The student starts from the last stage and distills, per domain, the stage
 checkpoint that was best at it (``stage_teachers``: domain -> stage) with the log-ratio
 advantage in the PPO-clip surrogate (group size 1). Thinking is switched per prompt
-(``<|think_on|>`` / ``<|think_off|>``), and every stage and the student train on both modes.
+(``<|think_on|>`` / ``<|think_off|>``), and every stage and the student train on both modes;
+on the multi-turn domains of ``c.per_turn`` (agent) also per assistant turn (effort
+``think_mixed``: each turn opened by its own mode token, docs/envs.md). The RL stages of
+``c.judge_stages`` (General RL) mix a generative reward model's score into the verifier's
+reward (``c.judge``, a ``rewards.judge`` section: opd_jax/trainers/judge.py).
 """
 from __future__ import annotations
 
@@ -14,26 +18,57 @@ import os
 import ml_collections
 import numpy as np
 
+from opd_jax import envs
 from opd_jax.plotting.recipes import plot_seed_lines
 from opd_jax.recipes.kimi_k3 import specialist_start, stage_config
 from opd_jax.recipes.pipeline import Stage
 
 
+PER_TURN = "think_mixed"      # the per-turn thinking effort (envs.PER_TURN_EFFORTS)
+
+
+def domain_modes(c: ml_collections.ConfigDict, domain: str) -> tuple[str, ...]:
+    """The thinking modes a domain trains and is evaluated on: the per-prompt ones
+    (``c.efforts``), plus per-turn ``think_mixed`` for the domains of ``c.per_turn``."""
+    return tuple(c.efforts) + ((PER_TURN,) if domain in tuple(c.get("per_turn", ())) else ())
+
+
+def cells_of(c: ml_collections.ConfigDict, families: dict) -> tuple[tuple, tuple]:
+    """(efforts, cells) of a stage on `families`: cells () when every domain has every mode,
+    else the "domain/mode" cells that `domain_modes` gives."""
+    efforts = tuple(dict.fromkeys(m for d in families for m in domain_modes(c, d)))
+    cells = tuple(f"{d}/{m}" for d in families for m in domain_modes(c, d))
+    return efforts, (() if len(cells) == len(families) * len(efforts) else cells)
+
+
 def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
-    domains, modes = dict(c.domains), tuple(c.efforts)
-    stages = [Stage("sft", "sft", stage_config(c.sft, seed, domains, modes))]
+    domains = dict(c.domains)
+    bad_turn = [d for d in c.get("per_turn", ()) if d not in domains or
+                envs.get_family(domains[d]).env is None]
+    if bad_turn:
+        raise ValueError(f"per_turn {bad_turn}: expected domains of {sorted(domains)} whose "
+                         f"family is multi-turn (per-turn thinking needs assistant turns)")
+    rl_names = [n for n, _ in c.stages]
+    bad_judge = [n for n in c.get("judge_stages", ()) if n not in rl_names]
+    if bad_judge:
+        raise ValueError(f"judge_stages {bad_judge}: expected RL stages of {rl_names}")
+    stages = [Stage("sft", "sft", stage_config(c.sft, seed, domains, *cells_of(c, domains)))]
     prev = "sft"
     for name, stage_domains in c.stages:
         fams = {d: domains[d] for d in stage_domains}
-        prev = specialist_start(c, stages, seed, f"sft_{name}", fams, modes, prev)
-        stages.append(Stage(name, "grpo", stage_config(c.rl, seed, fams, modes), init_from=prev))
+        efforts, cells = cells_of(c, fams)
+        prev = specialist_start(c, stages, seed, f"sft_{name}", fams, efforts, prev, cells)
+        rl = stage_config(c.rl, seed, fams, efforts, cells)
+        if name in tuple(c.get("judge_stages", ())):
+            rl.rewards.judge.update(dict(c.judge))
+        stages.append(Stage(name, "grpo", rl, init_from=prev))
         prev = name
     names = ["sft", *(n for n, _ in c.stages)]
     bad = {d: s for d, s in c.stage_teachers.items() if s not in names or d not in domains}
     if bad:
         raise ValueError(f"stage_teachers {bad}: domains must be in {sorted(domains)} and "
                          f"stages in {names}")
-    student = stage_config(c.student, seed, domains, modes)
+    student = stage_config(c.student, seed, domains, *cells_of(c, domains))
     student.teachers.routing = "table"
     student.teachers.table = {d: d for d in domains}
     stages.append(Stage("student", "opd", student, init_from=prev,
@@ -45,8 +80,8 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
 
 def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
     from opd_jax.recipes import report as rp
-    domains, modes = dict(c.domains), tuple(c.efforts)
-    cells = [(d, fam, m) for d, fam in domains.items() for m in modes]
+    domains = dict(c.domains)
+    cells = [(d, fam, m) for d, fam in domains.items() for m in domain_modes(c, d)]
     names = [f"{d}/{m}" for d, _, m in cells]
     rl_stages = [n for n, _ in c.stages]
     line = ["sft", *rl_stages, "student", "merge"]
@@ -57,8 +92,9 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
         per_seed.append({s: rp.evaluate_stage(sw, s, cells, c.eval, tokenizer=tokenizer,
                                               difficulty=c.eval.difficulty) for s in line})
 
-    def dom(seed_r, stage, d):        # a domain's reward: mean over thinking modes
-        return float(np.mean([seed_r[stage][f"{d}/{m}"]["reward"] for m in modes]))
+    def dom(seed_r, stage, d):        # a domain's reward: mean over its thinking modes
+        return float(np.mean([seed_r[stage][f"{d}/{m}"]["reward"]
+                              for m in domain_modes(c, d)]))
 
     table, forget, recover, keep = [], {}, {}, {}
     for d in domains:
@@ -88,12 +124,18 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
                "per_seed": per_seed, "forgetting": forget, "recovery": recover,
                "claims": claims}
     rp.write_json(os.path.join(workdir, "results.json"), results)
+    per_turn = [d for d in domains if PER_TURN in domain_modes(c, d)]
     md = [f"# glm results ({len(seeds)} seed(s): {list(seeds)})", "",
-          f"Held-out reward per domain (mean over thinking on/off; greedy, n={c.eval.n} per "
-          f"cell, difficulty {c.eval.difficulty}) after every stage; mean ± std over seeds. "
-          f"Forgotten = teacher stage - {last}; recovered = student - {last}.", "",
+          f"Held-out reward per domain (mean over its thinking modes: on, off"
+          + (f", and per-turn mixed on {', '.join(per_turn)}" if per_turn else "")
+          + f"; greedy, n={c.eval.n} per cell, difficulty {c.eval.difficulty}) after every "
+          f"stage; mean ± std over seeds. Forgotten = teacher stage - {last}; recovered = "
+          f"student - {last}.", "",
           rp.markdown_table(["domain", *line, "forgotten", "recovered"], table), "",
-          "Per thinking mode:", "", rp.markdown_table(["cell", *line], mode_rows), "",
+          "Per thinking mode (think_on / think_off: one mode per prompt; think_mixed: the "
+          "mode switched per assistant turn by the task's schedule, a turn that disobeys "
+          "its mode scores the episode 0):", "",
+          rp.markdown_table(["cell", *line], mode_rows), "",
           "## Claims", ""]
     md += [f"- **{'PASS' if cl['pass'] else 'FAIL'}** {cl['claim']}: {cl['measured']}"
            for cl in claims]

@@ -25,13 +25,16 @@ def teacher_name(domain: str, effort: str, plain: bool = False) -> str:
 
 
 def stage_config(cfg: ml_collections.ConfigDict, seed: int, families: dict,
-                 efforts) -> ml_collections.ConfigDict:
-    """A copy of a trainer config for one stage: its seed, task families and efforts."""
+                 efforts, cells=()) -> ml_collections.ConfigDict:
+    """A copy of a trainer config for one stage: its seed, task families and efforts
+    (`cells`: only these "domain/effort" cells of the grid; empty: the config's own)."""
     c = ml_collections.ConfigDict(cfg.to_dict())
     c.seed = seed
     tasks = c.data.tasks if "data" in c else c.tasks
     tasks.families = dict(families)
     tasks.efforts = tuple(efforts)
+    if cells:
+        tasks.cells = tuple(cells)
     tasks.seed = seed
     return c
 
@@ -89,7 +92,7 @@ def teacher_root(c: ml_collections.ConfigDict, stages: list[Stage], seed: int, d
 
 
 def specialist_start(c: ml_collections.ConfigDict, stages: list[Stage], seed: int, name: str,
-                     families: dict, efforts, start: str) -> str:
+                     families: dict, efforts, start: str, cells=()) -> str:
     """Where a teacher's RL starts: `start`, or a specialist SFT stage `name` on its cells.
 
     With ``c.specialist_sft.train.steps > 0`` (every teacher gets its own SFT cold start, then RL),
@@ -101,7 +104,7 @@ def specialist_start(c: ml_collections.ConfigDict, stages: list[Stage], seed: in
     spec = c.get("specialist_sft")
     if spec is None or not spec.train.steps:
         return start
-    stages.append(Stage(name, "sft", stage_config(spec, seed, families, efforts),
+    stages.append(Stage(name, "sft", stage_config(spec, seed, families, efforts, cells),
                         init_from=start))
     return name
 

@@ -59,6 +59,10 @@ def setup(cfg: ml_collections.ConfigDict):
         from opd_jax.teachers.bank import TeacherSpec, check_tokenizer
         check_tokenizer(TeacherSpec(cfg.model.init_from), tokenizer, cfg.tokenizer,
                         what="model.init_from")
+    if "rewards" in cfg:    # policy runs: the generative reward model, configs only
+        from opd_jax.trainers.judge import check_judge
+        check_judge(cfg.rewards.judge, vocab_size=model_config.vocab_size, tokenizer=tokenizer,
+                    tokenizer_spec=cfg.tokenizer)
     return mesh, rules, tokenizer, model_config
 
 
@@ -187,13 +191,34 @@ def build_sft_dataset(d: ml_collections.ConfigDict, tokenizer):
                             seed=d.seed, packing=d.packing)
 
 
+def task_cells(t: ml_collections.ConfigDict) -> list[tuple[str, str, str]]:
+    """(domain, family, effort) cells of a tasks section (policy runs' `tasks`, SFT's
+    `data.tasks`): families x efforts, or only `t.cells` ("domain/effort" names)."""
+    grid = [(d, fam, e) for d, fam in t.families.items() for e in t.efforts]
+    only = tuple(t.get("cells", ()) or ())
+    if not only:
+        return grid
+    names = {f"{d}/{e}": (d, fam, e) for d, fam, e in grid}
+    unknown = [c for c in only if c not in names]
+    if unknown:
+        raise ValueError(f"tasks.cells {unknown} are not in the families x efforts grid "
+                         f"{sorted(names)}")
+    return [names[c] for c in only]
+
+
 def task_demo_examples(t: ml_collections.ConfigDict) -> list[dict]:
     """SFT cold-start data: each train-split task's student prompt and its family's demo
-    (`data.corpus.demo_example`: tool observations kept in context, not trained)."""
+    (`data.corpus.demo_example`: tool observations kept in context, not trained), over the
+    families x efforts grid or only its `t.cells` (as the policy trainers read them)."""
     from opd_jax import envs
     from opd_jax.data.corpus import demo_example
-    src = envs.grid_source(dict(t.families), tuple(t.efforts), size=t.size, seed=t.seed,
-                           difficulty=t.difficulty, split="train")
+    for d, fam, _ in task_cells(t):
+        if envs.get_family(fam).domain != d:
+            raise ValueError(f"family {fam!r} is in domain {envs.get_family(fam).domain!r}, "
+                             f"not {d!r}")
+    src = envs.MixtureSource([envs.TaskSource(fam, size=t.size, seed=t.seed, effort=e,
+                                              difficulty=t.difficulty, split="train")
+                              for _, fam, e in task_cells(t)])
     out = [ex for ex in map(demo_example, src) if ex is not None]
     if not out:
         raise ValueError(f"no task with a demo in {dict(t.families)}")

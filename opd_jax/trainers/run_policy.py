@@ -7,12 +7,15 @@ any work; the driver never switches on an objective's name. Each iteration runs 
   rollout   play `group_size` episodes for each of `prompts_per_step` tasks with the
             current student (rollout engine + environments), logging its tokens
             (`rollout.wal_every`; a killed run resumes the rollout); time/rollout
+  judge     (rewards.judge.path set) a generative reward model scores each episode's
+            final answer with a rubric (opd_jax/trainers/judge.py);      time/judge
   teachers  (Needs.teacher != "none") route each episode to its teacher(s) by
             (domain, effort) and score the same tokens (log-probs, or last-layer hidden
             states), each teacher once per iteration, loaded sharded on the run's mesh
             and its rows sharded like the student's batch;               time/teachers
   batch     sequences, group advantages (std or Dr.GRPO; a batch-mean baseline at group
-            size 1), DAPO's soft overlong penalty (`rl.overlong_buffer`) and
+            size 1) of the task reward plus weight x the judge's score, DAPO's soft
+            overlong penalty (`rl.overlong_buffer`) and
             dynamic sampling (groups of equal rewards get mask 0: they are
             dropped, not resampled); old log-probs with the training forward
             (IcePop/TIS compare them with the sampler's) and the reference
@@ -51,8 +54,10 @@ from opd_jax.teachers import (TeacherBank, TeacherScorer, check_routing, in_row_
                               teacher_fields, teacher_weights)
 from opd_jax.teachers.scoring import MODEL_INPUTS
 from opd_jax.trainers import builders, evaluate
+from opd_jax.trainers.builders import task_cells
 from opd_jax.trainers.episodes import RolloutLog, SamplingConfig, cell_of, play
 from opd_jax.trainers.evaluate import heldout_metrics   # noqa: F401  (its old home)
+from opd_jax.trainers.judge import JudgeReward, mix_judge
 from opd_jax.trainers.metrics import DivergenceGuard, MetricsWriter
 from opd_jax.trainers.objectives import make_objective
 from opd_jax.trainers.policy import batch_logprobs, policy_step
@@ -61,20 +66,6 @@ from opd_jax.trainers.sequences import build_sequences
 
 _TeacherScorer = TeacherScorer   # its old name here (tests/trainers/test_policy_parts.py)
 from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
-
-
-def task_cells(t: ml_collections.ConfigDict) -> list[tuple[str, str, str]]:
-    """(domain, family, effort) cells of a run: families x efforts, or only `t.cells`."""
-    grid = [(d, fam, e) for d, fam in t.families.items() for e in t.efforts]
-    only = tuple(t.get("cells", ()) or ())
-    if not only:
-        return grid
-    names = {f"{d}/{e}": (d, fam, e) for d, fam, e in grid}
-    unknown = [c for c in only if c not in names]
-    if unknown:
-        raise ValueError(f"tasks.cells {unknown} are not in the families x efforts grid "
-                         f"{sorted(names)}")
-    return [names[c] for c in only]
 
 
 def task_dataset(t: ml_collections.ConfigDict, batch: int) -> grain.IterDataset:
@@ -160,8 +151,9 @@ def _advantages(rewards_B: np.ndarray, G: int, adv_scale) -> np.ndarray:
     return rewards_B - rewards_B.mean()   # group size 1 (OPD): a batch-mean baseline
 
 
-def _sequence_batch(cfg, episodes, model_config) -> tuple[dict, dict, dict]:
-    """(the student's sequences, the batch without teacher fields, metrics)."""
+def _sequence_batch(cfg, episodes, model_config, judge_B=None) -> tuple[dict, dict, dict]:
+    """(the student's sequences, the batch without teacher fields, metrics). judge_B: the
+    judge's score per episode, mixed into the task reward (`mix_judge`)."""
     G = cfg.rollout.group_size
     seqs = build_sequences([e.prompt_ids for e in episodes], [e.response_ids for e in episodes],
                            response_masks=[e.response_mask for e in episodes],
@@ -172,6 +164,8 @@ def _sequence_batch(cfg, episodes, model_config) -> tuple[dict, dict, dict]:
     metrics = _reward_metrics(episodes)
     batch = {k: v for k, v in seqs.items() if k not in ("prompt_len", "response_len")}
     rewards_B = np.asarray([e.reward for e in episodes], np.float32)
+    if judge_B is not None:
+        rewards_B = mix_judge(rewards_B, judge_B, cfg.rewards.judge.weight)
     if cfg.rl.get("overlong_buffer", 0):   # DAPO soft overlong punishment, in tokens
         penalty_B = np.asarray(losses.overlong_penalty(
             np.asarray([e.sampled_tokens for e in episodes]), builders.overlong_max_len(cfg),
@@ -259,6 +253,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     model_meta = model_config.to_dict()
     ckpt = open_workdir(workdir, cfg, model_meta, resume_with_changes=resume_with_changes)
     model = builders.build_model(cfg.model, mesh, rules, seed=cfg.seed)
+    judge = JudgeReward.from_config(cfg.rewards.judge, tokenizer) if "rewards" in cfg else None
 
     task_iter = iter(task_dataset(cfg.tasks, cfg.rollout.prompts_per_step))
     steps, per_iter = cfg.train.steps, cfg.rl.ppo_epochs * cfg.rl.minibatches
@@ -296,7 +291,12 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                                 sampling, seed=cfg.seed * 100_003 + it,
                                 mesh=mesh if multi else None,
                                 **rollout_log.kwargs(it, int(state.step)))
-            seqs, batch, metrics = _sequence_batch(cfg, episodes, model_config)
+            judge_B, judge_m = None, {}
+            if judge is not None:
+                with timer("judge"):
+                    judge_B, judge_m = judge(episodes)
+            seqs, batch, metrics = _sequence_batch(cfg, episodes, model_config, judge_B)
+            metrics |= judge_m
             metrics |= {f"rollout/{k}": float(v) for k, v in rollout_log.stats.items()}
             with timer("teachers"):
                 order, fields, teachers_W, m = teachers.score(episodes, seqs)

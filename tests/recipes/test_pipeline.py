@@ -12,6 +12,7 @@ from opd_jax.config import load_config
 from opd_jax.recipes import recipe_module, report as rp
 from opd_jax.recipes.pipeline import (Stage, check_stages, resolved_config, run_stages,
                                       stage_identity)
+from opd_jax.trainers import builders
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -174,3 +175,51 @@ def test_report_helpers(tmp_path):
                                                         {"y": 0.5, "label": "t"}]}, title="t")
     for f in (p, q):
         assert open(f, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("preset", ["reduced", "smoke"])
+def test_glm_per_turn_cells_and_general_judge(preset):
+    g = load_config(os.path.join(ROOT, f"experiments/glm/config.py:{preset}"))
+    stages = recipe_module("glm").build(g, 0)
+    for s in stages:
+        if s.kind == "merge":
+            continue
+        tasks = s.config.data.tasks if s.kind == "sft" else s.config.tasks
+        cells = [f"{d}/{e}" for d, _, e in builders.task_cells(tasks)]
+        # per-turn thinking on the multi-turn agent domain only, with both per-prompt modes
+        want = [f"{d}/{m}" for d in dict(tasks.families)
+                for m in ("think_on", "think_off") + (("think_mixed",) if d == "agent" else ())]
+        assert sorted(cells) == sorted(want), s.name
+        judge = s.config.rewards.judge.path if "rewards" in s.config else ""
+        assert bool(judge) == (s.name == "general_rl"), s.name
+    with pytest.raises(ValueError, match=r"per_turn \['coding'\]: expected domains .* "
+                                         r"multi-turn"):
+        g2 = load_config(os.path.join(ROOT, f"experiments/glm/config.py:{preset}"),
+                         ["--config.per_turn=('coding',)"])
+        recipe_module("glm").build(g2, 0)
+    with pytest.raises(ValueError, match=r"judge_stages \['nope'\]: expected RL stages"):
+        g3 = load_config(os.path.join(ROOT, f"experiments/glm/config.py:{preset}"),
+                         ["--config.judge_stages=('nope',)"])
+        recipe_module("glm").build(g3, 0)
+
+
+def test_sft_demos_follow_the_cells():
+    g = load_config(os.path.join(ROOT, "experiments/glm/config.py:smoke"))
+    sft = recipe_module("glm").build(g, 0)[0]
+    tasks = ml_collections.ConfigDict(sft.config.data.tasks.to_dict())
+    tasks.size = 2
+    examples = builders.task_demo_examples(tasks)
+    assert len(examples) == 2 * len(tasks.cells) == 14
+    # per-turn demos: observations carry the next turn's mode token and are not trained
+    mixed = [e for e in examples if "Tools:" in e["prompt"]][2::3]
+    assert len(mixed) == 2
+    for e in mixed:
+        obs = [p for p in e["response"] if p["text"].startswith("<|tool|>")]
+        assert obs and all(not p["train"] and ("<|think_on|>" in p["text"]) !=
+                           ("<|think_off|>" in p["text"]) for p in obs)
+    tasks.cells = ("coding/think_mixed",)
+    with pytest.raises(ValueError, match="family 'code_trace' is single-turn"):
+        builders.task_demo_examples(tasks)
+    tasks.cells = ("coding/low",)
+    with pytest.raises(ValueError, match=r"tasks.cells \['coding/low'\] are not in"):
+        builders.task_demo_examples(tasks)

@@ -9,6 +9,7 @@ import pytest
 from opd_jax.config import load_config
 from opd_jax.recipes import recipe_module, run_experiment
 from opd_jax.recipes.pipeline import is_done
+from opd_jax.trainers.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TABLE_HEAD = {"kimi_k3": "| cell | SFT | teacher | student (MOPD) | retention |",
@@ -36,6 +37,13 @@ def test_recipe_smoke(tmp_path, recipe, capsys):
     assert TABLE_HEAD[recipe] in md.replace(" (forgotten)", "")
     assert json.load(open(tmp_path / "results.json"))["recipe"] == recipe
     assert json.load(open(tmp_path / "config.json"))["recipe"] == recipe
+    if recipe == "glm":   # per-turn thinking has its own rows; General RL logged its judge
+        for mode in ("think_on", "think_off", "think_mixed"):
+            assert f"| agent/{mode} |" in md, mode
+        assert "| general/think_mixed |" not in md
+        judged = [m for m in read_metrics(str(sw / "general_rl")) if "reward/judge_mean" in m]
+        assert judged and all(0.0 <= m["reward/judge_mean"] <= 1.0 for m in judged)
+        assert not any("reward/judge_mean" in m for m in read_metrics(str(sw / "reasoning_rl")))
     pngs = [f for f in os.listdir(tmp_path) if f.endswith(".png")]
     assert pngs and all(open(tmp_path / f, "rb").read(4) == b"\x89PNG" for f in pngs)
 
