@@ -189,13 +189,6 @@ def _last_positive(x_BxK) -> jax.Array:
     return (K - 1 - jnp.argmax((x_BxK > 0)[:, ::-1], axis=1)).astype(jnp.int32)
 
 
-def _argmax(x_BxV) -> jax.Array:
-    """First index of the row maximum (jnp.argmax's tie rule) as max + min-index reduces."""
-    V = x_BxV.shape[-1]
-    hit_BxV = x_BxV == jnp.max(x_BxV, axis=-1, keepdims=True)
-    return jnp.min(jnp.where(hit_BxV, jnp.arange(V, dtype=jnp.int32), V), axis=-1)
-
-
 def sample_logits(logits_BxV, u_B, params: SamplingParams):
     """Sample one token per row by inverse CDF with the uniform u_B in [0, 1).
 
@@ -212,27 +205,33 @@ def sample_logits(logits_BxV, u_B, params: SamplingParams):
     """
     B, V = logits_BxV.shape
     z_BxV = _scaled_and_filtered(logits_BxV, params)
-    m_B = jnp.max(z_BxV, axis=-1)
-    e_BxV = jnp.exp(z_BxV - m_B[:, None])                     # filtered tokens: exactly 0
     bs = _block_size(V)
     nb = -(-V // bs)
-    e_BxNxS = jnp.pad(e_BxV, ((0, 0), (0, nb * bs - V))).reshape(B, nb, bs)
-    cum_blocks_BxN = jnp.cumsum(jnp.sum(e_BxNxS, axis=-1), axis=-1)
+    z_BxNxS = jnp.pad(z_BxV, ((0, 0), (0, nb * bs - V)),
+                      constant_values=-jnp.inf).reshape(B, nb, bs)
+    zmax_BxN = jnp.max(z_BxNxS, axis=-1)
+    m_B = jnp.max(zmax_BxN, axis=-1)
+    e_BxNxS = jnp.exp(z_BxNxS - m_B[:, None, None])           # filtered, padding: exactly 0
+    sums_BxN = jnp.sum(e_BxNxS, axis=-1)
+    cum_blocks_BxN = jnp.cumsum(sums_BxN, axis=-1)
     total_B = cum_blocks_BxN[:, -1]
     threshold_B = u_B.astype(F32) * total_B
-    last_block_B = _last_positive(e_BxNxS.max(axis=-1))
     block_B = jnp.minimum(jnp.sum(cum_blocks_BxN <= threshold_B[:, None], axis=-1),
-                          last_block_B).astype(jnp.int32)
+                          _last_positive(sums_BxN)).astype(jnp.int32)
     before_B = jnp.where(block_B > 0, jnp.take_along_axis(
         cum_blocks_BxN, jnp.maximum(block_B - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
     e_BxS = jnp.take_along_axis(e_BxNxS, block_B[:, None, None], axis=1)[:, 0]
     inner_B = jnp.sum(jnp.cumsum(e_BxS, axis=-1) <= (threshold_B - before_B)[:, None], axis=-1)
     inner_B = jnp.minimum(inner_B, _last_positive(e_BxS))
     sampled_B = (block_B * bs + inner_B).astype(jnp.int32)
+    # Greedy: the first maximum (jnp.argmax's rule), in the same two levels (XLA's CPU
+    # argmax over [B, V] is a slow index-carrying reduce): the first block holding the row
+    # maximum, then the first position in it. Top-k / top-p never drop the maximum, and
+    # greedy rows keep T = 1, so this is the argmax of the raw logits.
+    gblock_B = jnp.argmax(zmax_BxN == m_B[:, None], axis=-1).astype(jnp.int32)
+    z_blk_BxS = jnp.take_along_axis(z_BxNxS, gblock_B[:, None, None], axis=1)[:, 0]
+    argmax_B = gblock_B * bs + jnp.argmax(z_blk_BxS == m_B[:, None], axis=-1).astype(jnp.int32)
     greedy_B = params.temperature_B <= 0
-    # The [B, V] argmax only when some row is greedy (XLA's CPU argmax is a slow reduce).
-    argmax_B = lax.cond(jnp.any(greedy_B), lambda x: _argmax(x), lambda x: sampled_B,
-                        logits_BxV)
     token_B = jnp.where(greedy_B, argmax_B, sampled_B)
     z_tok_B = jnp.take_along_axis(z_BxV, token_B[:, None], axis=-1)[:, 0]
     logp_B = z_tok_B - m_B - jnp.log(total_B)

@@ -132,3 +132,17 @@ def test_threshold_filter_equals_the_sorted_one(V):
     tied = jnp.asarray([[1.0, 3.0, 2.0, 3.0, 0.0]])
     kept = np.isfinite(np.asarray(_filter_threshold(tied, jnp.asarray([1]), jnp.asarray([1.0]))))
     np.testing.assert_array_equal(kept[0], [False, True, False, True, False])
+
+
+def test_greedy_is_the_first_maximum():
+    """Greedy rows return jnp.argmax of the raw logits (first index on ties), also with
+    top-k / top-p set and across block boundaries."""
+    B, V = 64, 5_003
+    logits = jax.random.normal(jax.random.key(3), (B, V))
+    logits = logits.at[0, 4_000].set(9.0).at[0, 4_500].set(9.0)       # tie: first wins
+    logits = logits.at[1, V - 1].set(9.0)                               # last (padded) block
+    params = SamplingParams.create(B, temperature=0.0, top_k=[0, 5] * (B // 2),
+                                   top_p=[1.0, 0.5] * (B // 2))
+    tok, logp = jax.jit(sample_logits)(logits, jnp.full((B,), 0.5), params)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(jnp.argmax(logits, axis=-1)))
+    assert int(tok[0]) == 4_000 and int(tok[1]) == V - 1 and not np.asarray(logp).any()
