@@ -7,8 +7,10 @@ loss = mean_n KL(p_s,n || p_t,n), gradient to h_s and W_s. Each contender runs i
 process; after a warm-up call (compilation), the kernel's peak-RSS mark is reset
 (/proc/self/clear_refs) and "peak MiB" is VmHWM - VmRSS over the timed calls, i.e. the
 memory the loss itself needs above the inputs. Contenders:
-  ours-xla          fused_reverse_kl (per-token custom_vjp, recompute backward)
-  ours-xla-onepass  fused_reverse_kl_loss (gradient formed in the forward)
+  ours-xla          fused_reverse_kl (per-token custom_vjp, recompute backward);
+                    ours-xla-cC: vocab chunk C (default 4748 = V/32)
+  ours-xla-onepass  fused_reverse_kl_loss (gradient formed in the forward);
+                    ours-xla-onepass-bB: token block B (default 32)
   liger-cN          Liger-Kernel LigerFusedLinearJSDLoss(beta=1, weight_hard_loss=0,
                     chunk_size=N, compiled=True): beta=1 is KL(student || teacher)
   trl               TRL GKDTrainer.generalized_jsd_loss(beta=1) on full logits h W^T
@@ -63,11 +65,17 @@ def _ours(impl, n, d, reps):
     import jax.numpy as jnp
     from pallas_kernels import fused_reverse_kl, fused_reverse_kl_loss
     h_s, w_s, h_t, w_t = (jnp.asarray(x) for x in _inputs(n, d))
-    if impl == "xla-onepass":
+    # "xla[-cCHUNK]" (vocab chunk, default 4748 = V/32), "xla-onepass[-bBLOCK]" (token block,
+    # default 32): the chunk sizes to tune.
+    knob = impl.rsplit("-", 1)[-1] if impl.count("-") >= (2 if "onepass" in impl else 1) else ""
+    if impl.startswith("xla-onepass"):
         weights = jnp.full((n,), 1.0 / n, jnp.float32)
-        loss_fn = lambda hs, ws: fused_reverse_kl_loss(hs, ws, h_t, w_t, weights, implementation="xla", block_n=32)
+        block = int(knob[1:]) if knob.startswith("b") else 32
+        loss_fn = lambda hs, ws: fused_reverse_kl_loss(hs, ws, h_t, w_t, weights, implementation="xla",
+                                                       block_n=block)
     else:
-        loss_fn = lambda hs, ws: jnp.mean(fused_reverse_kl(hs, ws, h_t, w_t, implementation="xla", chunk_v=4748))
+        chunk = int(knob[1:]) if knob.startswith("c") else 4748
+        loss_fn = lambda hs, ws: jnp.mean(fused_reverse_kl(hs, ws, h_t, w_t, implementation="xla", chunk_v=chunk))
     step_fn = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
 
     def step():
@@ -138,7 +146,9 @@ def main():
     if args.worker:
         print(json.dumps(worker(args.worker, args.n, args.d, args.reps)))
         return
-    print(f"N={args.n} D={args.d} V={V} fp32 CPU, value+backward of mean reverse KL, median of {args.reps}")
+    import os
+    print(f"N={args.n} D={args.d} V={V} fp32 CPU, value+backward of mean reverse KL, median of {args.reps}; "
+          f"load average {os.getloadavg()[0]:.2f} at the start")
     print(f"{'contender':<18} {'loss':>12} {'peak MiB':>9} {'median s':>9}")
     for name in args.contenders:
         proc = subprocess.run([sys.executable, __file__, "--worker", name, "--n", str(args.n), "--d", str(args.d),
@@ -149,6 +159,7 @@ def main():
             continue
         loss, peak, median = json.loads(proc.stdout.strip().splitlines()[-1])
         print(f"{name:<18} {loss:>12.6f} {peak:>9.0f} {median:>9.2f}", flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
 
 if __name__ == "__main__":
