@@ -125,7 +125,8 @@ def init_stats(shape):
 def update_stats(stats, s_BxC, t_BxC, hit_BxC):
     """One online-softmax step over a tile of masked, temperature-scaled logits.
 
-    hit_BxC marks the target column (at most one per row over the whole vocab).
+    hit_BxC marks the target column (at most one per row over the whole vocab); None when
+    the caller needs no target logits (the KL alone): s_y and t_y then stay as they are.
     Rows are the trailing axis of stats, so the same code serves [B] and [B, 1].
     """
     m_s, l_s, m_t, l_t, a, s_y, t_y = stats
@@ -140,8 +141,8 @@ def update_stats(stats, s_BxC, t_BxC, hit_BxC):
     return (new_m_s, l_s * alpha_s + row_sum(e_s),
             new_m_t, l_t * alpha_t + row_sum(e_t),
             a * alpha_s + row_sum(e_s * (s_BxC - t_BxC)),
-            s_y + row_sum(jnp.where(hit_BxC, s_BxC, 0.0)),
-            t_y + row_sum(jnp.where(hit_BxC, t_BxC, 0.0)))
+            s_y if hit_BxC is None else s_y + row_sum(jnp.where(hit_BxC, s_BxC, 0.0)),
+            t_y if hit_BxC is None else t_y + row_sum(jnp.where(hit_BxC, t_BxC, 0.0)))
 
 
 def finalize_stats(stats):

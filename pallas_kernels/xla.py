@@ -35,7 +35,8 @@ def stats(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg: common.Config):
         w_t_ExC = lax.dynamic_slice_in_dim(w_t_ExV, start, chunk, axis=1)
         s_NxC = common.mask_logits(common.dot_f32(h_s_NxD, w_s_DxC) * inv_temp, valid_1xC)
         t_NxC = common.mask_logits(common.dot_f32(h_t_NxE, w_t_ExC) * inv_temp, valid_1xC)
-        hit_NxC = (col_C[None, :] == y_N[:, None]) & valid_1xC
+        # The KL needs no target logits: skip the [N, C] target compare and its two sums.
+        hit_NxC = None if cfg.mode == "kl" else (col_C[None, :] == y_N[:, None]) & valid_1xC
         return common.update_stats(carry, s_NxC, t_NxC, hit_NxC)
 
     out = lax.fori_loop(0, -(-vocab // chunk), body, common.init_stats((n,)))
