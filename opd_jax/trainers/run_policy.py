@@ -55,7 +55,8 @@ from opd_jax.teachers import (TeacherBank, TeacherScorer, check_routing, in_row_
 from opd_jax.teachers.scoring import MODEL_INPUTS
 from opd_jax.trainers import builders, evaluate
 from opd_jax.trainers.builders import task_cells
-from opd_jax.trainers.episodes import RolloutLog, SamplingConfig, cell_of, play
+from opd_jax.trainers.episodes import SamplingConfig, cell_of, play
+from opd_jax.trainers.rollout_log import RolloutLog
 from opd_jax.trainers.evaluate import heldout_metrics   # noqa: F401  (its old home)
 from opd_jax.trainers.judge import JudgeReward, mix_judge
 from opd_jax.trainers.metrics import DivergenceGuard, MetricsWriter
