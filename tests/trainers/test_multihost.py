@@ -29,9 +29,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(n: int, out_dir, while_waiting):
-    """Run n child processes and, meanwhile, `while_waiting()` here; fail (killing the
-    children) on an error or past TIMEOUT_S. Returns what `while_waiting` returned."""
+def _launch(n: int, out_dir, while_waiting, child: str = CHILD, timeout_s: float = TIMEOUT_S):
+    """Run n `child` processes and, meanwhile, `while_waiting()` here; fail (killing the
+    children) on an error or past `timeout_s`. Returns what `while_waiting` returned."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPD_JAX_")}
     # One fake-device count per child comes from initialize(); drop the conftest's 8.
     env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
@@ -39,10 +39,10 @@ def _launch(n: int, out_dir, while_waiting):
     env |= {"JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
     port = _free_port()
     logs = [open(out_dir / f"child{i}.log", "w+") for i in range(n)]
-    procs = [subprocess.Popen([sys.executable, CHILD, str(i), str(n), str(port), str(out_dir)],
+    procs = [subprocess.Popen([sys.executable, child, str(i), str(n), str(port), str(out_dir)],
                               env=env, stdout=logs[i], stderr=subprocess.STDOUT, cwd=ROOT)
              for i in range(n)]
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     try:
         result = while_waiting()
         while any(p.poll() is None for p in procs):
@@ -60,7 +60,7 @@ def _launch(n: int, out_dir, while_waiting):
             f.seek(0)
             text.append(f"--- child {i} (rc {procs[i].returncode}) ---\n{f.read()[-4000:]}")
         pytest.fail("multi-process run failed or timed out after "
-                    f"{TIMEOUT_S:.0f}s:\n" + "\n".join(text))
+                    f"{timeout_s:.0f}s:\n" + "\n".join(text))
     for f in logs:
         f.close()
     return result
