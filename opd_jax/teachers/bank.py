@@ -14,8 +14,9 @@ first device), as before. Given the run's `mesh` (and sharding `rules`), every t
 read straight into the NamedShardings its parameters' logical axes map to, like the
 student (:func:`opd_jax.sharding.state_shardings`): an HF folder through
 ``load_pretrained(mesh=)`` (each device reads its block of the memory-mapped safetensors),
-an opd_jax run through Orbax restoring each device's shards. No process then holds a whole
-teacher, and a mesh spanning several processes gives global arrays.
+an opd_jax run through Orbax restoring each device's shards. No device then holds a whole
+teacher (unless the rules replicate it), and a mesh spanning several processes gives
+global arrays.
 
     bank = TeacherBank({"general/max": TeacherSpec("runs/general_max")}, max_loaded=2,
                        mesh=mesh)

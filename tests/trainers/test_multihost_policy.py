@@ -39,8 +39,9 @@ def test_two_process_train_policy_with_teachers_equals_one_process(tmp_path):
                   child=CHILD, timeout_s=TIMEOUT_S)
     multi = [json.load(open(tmp_path / f"child{i}.json")) for i in range(2)]
 
-    # Placement: both teachers read onto the (2, 2, 2) mesh; in the two-process run no
-    # process holds a whole teacher. The fused kernel took the vocab-parallel path.
+    # Placement: both teachers read onto the (2, 2, 2) mesh, split over fsdp x tensor; in
+    # the two-process run they are global arrays spanning both processes (not fully
+    # addressable). The fused kernel took the vocab-parallel path.
     for seen, spans_processes in [(ref, False)] + [(m, True) for m in multi]:
         assert sorted(seen["teachers"]) == ["teacher_hf", "teacher_run"]
         assert {t["kind"] for t in seen["teachers"].values()} == {"hf", "orbax"}
