@@ -212,3 +212,20 @@ def test_vocab_parallel_layout_and_errors():
     assert type(grpo).needs.unembedding_sharding(grpo, mesh).spec == P()
     with pytest.raises(ValueError, match="vocab_parallel comes from the run's mesh"):
         make_objective("deepseek_full_vocab", vocab_parallel=None)
+
+
+def test_train_policy_refuses_a_vocab_the_tensor_axis_does_not_divide(tmp_path):
+    """Before anything is read, built or written."""
+    import os
+
+    from opd_jax.config import load_config
+    from opd_jax.trainers.run_policy import train_policy
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = load_config(os.path.join(root, "configs/opd.py:deepseek_full_vocab"), [
+        "--config.model.vocab_size=130", "--config.mesh.shape=(2, 1, 4)",
+        "--config.teachers.paths={'general': '/not/read'}"])
+    with pytest.raises(ValueError, match="objective 'deepseek_full_vocab' runs vocab-parallel "
+                                         "over mesh axis 'tensor' of size 4 .*V=130 is not "
+                                         "divisible by 4"):
+        train_policy(cfg, str(tmp_path / "run"), progress=False)
+    assert not (tmp_path / "run").exists()
