@@ -87,7 +87,7 @@ from opd_jax.models import ModelConfig
 from opd_jax.recipes.scale_trace import (_rules, _stage_key, abstract_mesh, activation_bytes,
                                          optimizer_bytes, params_bytes, trace_stage)
 from opd_jax.recipes.scale_up import MESHES, SECTIONS, STUDENT, TEACHER
-from opd_jax.trainers.objectives import needs_of
+from opd_jax.trainers.needs import needs_of
 
 GIB = 1024 ** 3
 

@@ -25,7 +25,7 @@ from jax.sharding import AbstractMesh, AxisType
 
 from opd_jax import sharding as sh
 from opd_jax.models import ModelConfig, Transformer
-from opd_jax.trainers.objectives import needs_of
+from opd_jax.trainers.needs import needs_of
 
 _HERE = os.path.basename(__file__)
 
