@@ -110,21 +110,13 @@ def state_digest(tree: Any, prefix: str = "") -> tuple[dict[str, int], list[str]
     The checksum is a wrapping uint32 sum, so it is exact whatever the reduction order
     (sharded or not, any mesh).
 
-    Multi-process, the arrays are digested one at a time (each waited for before the
-    next is started): with CPU (gloo) collectives, many of these small multi-device
-    programs in flight at once deadlocked, one process stuck in a digest while the other
-    had finished them all (60 arrays on a 2-process (2, 2, 2) mesh, within the first or
-    second call; tests/trainers/test_multihost_policy.py saves through it)."""
-    from opd_jax.distributed import fetch
+    Multi-process, the arrays are digested one at a time (`distributed.settle`: many small
+    multi-device programs in flight at once deadlock under gloo;
+    tests/trainers/test_multihost_policy.py saves through it)."""
+    from opd_jax.distributed import fetch, settle
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     names = [prefix + jax.tree_util.keystr(p) for p, _ in flat]
-    one_at_a_time = jax.process_count() > 1
-    digests = []
-    for _, x in flat:
-        digests.append(_leaf_digest(jnp.asarray(x)))
-        if one_at_a_time:
-            jax.block_until_ready(digests[-1])
-    out = fetch(digests)
+    out = fetch([settle(_leaf_digest(jnp.asarray(x))) for _, x in flat])
     sums = {n: int(d) for n, (d, _) in zip(names, out)}
     return sums, [n for n, (_, ok) in zip(names, out) if not bool(ok)]
 

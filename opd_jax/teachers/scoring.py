@@ -26,6 +26,7 @@ from flax import nnx
 
 from opd_jax import envs
 from opd_jax import sharding as sh
+from opd_jax.distributed import settle
 from opd_jax.teachers.bank import TeacherBank
 from opd_jax.trainers.episodes import encode
 from opd_jax.trainers.policy import teacher_outputs
@@ -135,16 +136,16 @@ class TeacherScorer:
                 max(len(p) + len(r) for p, r in zip(prompts, responses)) - 1))
             fn = self._fn(graphdef, params, rest)
             inputs = {k: tseq[k] for k in MODEL_INPUTS}
-            chunks = [_settle(fn(params, rest, self._place(jax.tree.map(
+            chunks = [settle(fn(params, rest, self._place(jax.tree.map(
                 lambda x: x[i:i + chunk], inputs)))) for i in range(0, len(padded), chunk)]
             dest = np.asarray(rows + [B] * (len(padded) - len(rows)), np.int32)
             host = (np.asarray(tseq["prompt_len"], np.int32),
                     np.asarray(student_seqs["prompt_len"], np.int32)[padded], dest)
             if self.mesh is not None:   # the same host values on every process
                 host = tuple(sh.put(x, sh.replicated(self.mesh)) for x in host)
-            full = _settle(self._gather(chunks[0].ndim, B, T)(tuple(chunks), *host))
+            full = settle(self._gather(chunks[0].ndim, B, T)(tuple(chunks), *host))
             out[key] = (rows, full,
-                        _settle(teacher.unembedding()) if self.kind == "hidden" else None)
+                        settle(teacher.unembedding()) if self.kind == "hidden" else None)
         return out
 
     def _place(self, batch: dict) -> dict:
@@ -172,18 +173,11 @@ def teacher_fields(scored: dict, weights: list[dict], kind: str) -> tuple[list, 
         for s, key in enumerate(order):
             routed_SxB[s, scored[key][0]] = True
         vals = tuple(scored[k][1] for k in order)
-        fields["teacher_logp"] = _settle(_rows_from_teachers(vals, _like(routed_SxB, vals[0])))
+        fields["teacher_logp"] = settle(_rows_from_teachers(vals, _like(routed_SxB, vals[0])))
         return order, fields, ()
     fields["teacher_hidden"] = tuple(scored[k][1] for k in order)
     fields["teacher_weights"] = onehot
     return order, fields, tuple(scored[k][2] for k in order)
-
-
-def _settle(x):
-    """`x`, waited for when several processes share the mesh: with CPU (gloo) collectives,
-    different multi-device programs in flight at once can deadlock (see
-    `checkpoint.state_digest`), so multi-process scoring runs one program at a time."""
-    return jax.block_until_ready(x) if jax.process_count() > 1 else x
 
 
 @jax.jit

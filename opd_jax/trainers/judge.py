@@ -34,6 +34,7 @@ import numpy as np
 from opd_jax import envs
 from opd_jax.envs import parsing
 from opd_jax.envs.rewards import DEFAULT_RUBRIC
+from opd_jax.trainers.episodes import encode
 
 KEYS = ("path", "rubric", "weight", "max_new_tokens", "include_reference", "batch_size")
 
@@ -122,7 +123,7 @@ class JudgeReward:
                    batch_size=j.batch_size)
 
     def _ids(self, text: str) -> list[int]:
-        return self.bos + list(self.tok.encode(text, add_special_tokens=False))
+        return self.bos + encode(self.tok, text)
 
     def generate(self, prompts: list[str]) -> list[str]:
         """The judge's greedy verdicts for rendered prompts (the rollout engine, one call)."""
