@@ -42,8 +42,8 @@ def kimi_mopd_loss(logp_BxT: jax.Array, teacher_logp_BxT: jax.Array, mask_BxT: j
                    sampler_logp_BxT: jax.Array | None = None, correction: str | None = None,
                    icepop_bounds: tuple[float, float] = (0.5, 5.0),
                    icepop_normalizer: str = "all", tis_cap: float = 2.0,
-                   aggregation: str = "token_mean", max_len: int | None = None
-                   ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                   aggregation: str = "token_mean", max_len: int | None = None,
+                   position_gamma: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Kimi K3 multi-teacher OPD (Eq. 15), a dense clipped per-token advantage.
 
     r_t = clip(sg(lp_T(y_t) - lp_ref(y_t)), -r_max, r_max), lp_ref = lp_theta, or
@@ -54,6 +54,8 @@ def kimi_mopd_loss(logp_BxT: jax.Array, teacher_logp_BxT: jax.Array, mask_BxT: j
     token is clipped). `teacher_logp_BxT` is the teacher (d, e) picked per sample, scored
     on the student's tokens with its own prompt; it gets no gradient. c_t, aggregation
     and the IcePop normalizer knob are as in `grpo_loss`, with k_t = exp(lp_ref - lp_sampler).
+    `position_gamma` > 0 multiplies l_t by IW-OPD's position weight 1 + gamma (1 - s_t)
+    (`policy.position_weights`; s_t the row's prefix share).
 
     Example::
 
@@ -79,7 +81,7 @@ def kimi_mopd_loss(logp_BxT: jax.Array, teacher_logp_BxT: jax.Array, mask_BxT: j
     loss, corr_metrics = policy.corrected_policy_loss(
         pg_BxT, ref, sampler_logp_BxT, m, correction=correction,
         icepop_bounds=icepop_bounds, tis_cap=tis_cap, icepop_normalizer=icepop_normalizer,
-        aggregation=aggregation, max_len=max_len)
+        aggregation=aggregation, max_len=max_len, position_gamma=position_gamma)
     metrics |= {
         "loss": sg(loss),
         "r_mean": masked_mean(r_BxT, m),
@@ -98,15 +100,16 @@ def glm_opd_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, teacher_logp_BxT:
                  kl_coef: float = 1.0, sampler_logp_BxT: jax.Array | None = None,
                  correction: str | None = None, icepop_bounds: tuple[float, float] = (0.5, 5.0),
                  icepop_normalizer: str = "all", tis_cap: float = 2.0,
-                 aggregation: str = "token_mean", max_len: int | None = None
-                 ) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 aggregation: str = "token_mean", max_len: int | None = None,
+                 position_gamma: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GLM cross-stage OPD: the teacher log-ratio replaces the GRPO advantage (group size 1).
 
     A_t = task_adv - kl_coef (lp_old(y_t) - lp_T(y_t))   (slime form; task_adv default 0)
     l_t = -c_t min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t),
     rho_t = exp(lp_theta - lp_old). A_t is detached; its OPD part is minus a sampled
     estimate of the REVERSE KL(pi_old || pi_T) (student first), so the step descends it.
-    `task_adv` is [B] or [B, T]. c_t, aggregation and icepop_normalizer as in `grpo_loss`.
+    `task_adv` is [B] or [B, T]. c_t, aggregation and icepop_normalizer as in `grpo_loss`;
+    `position_gamma` as in `kimi_mopd_loss`.
 
     Example::
 
@@ -134,7 +137,7 @@ def glm_opd_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, teacher_logp_BxT:
     loss, corr_metrics = policy.corrected_policy_loss(
         pg_BxT, old, sampler_logp_BxT, m, correction=correction,
         icepop_bounds=icepop_bounds, tis_cap=tis_cap, icepop_normalizer=icepop_normalizer,
-        aggregation=aggregation, max_len=max_len)
+        aggregation=aggregation, max_len=max_len, position_gamma=position_gamma)
     metrics |= {
         "loss": sg(loss),
         "adv_mean": masked_mean(adv_BxT, m),

@@ -122,18 +122,44 @@ def mismatch_correction(old_BxT: jax.Array, sampler_BxT: jax.Array | None, mask_
     return one_BxT, mask_BxT, metrics
 
 
+def position_weights(mask_BxT: jax.Array, gamma) -> jax.Array:
+    """IW-OPD's position weighting: w_t = 1 + gamma (1 - s_t), s_t the row's prefix share.
+
+    s_t = (loss tokens of the row before t) / (loss tokens of the row), so a row's first
+    token gets 1 + gamma and its weights fall linearly towards 1 at its end: the early
+    tokens of a student rollout, where the teacher still scores a prefix close to its own,
+    count more than the late ones, where the prefix has drifted (On the Position Bias of
+    On-Policy Distillation, 2026). Masked positions (tool outputs in a multi-turn row,
+    padding) are skipped by the count. gamma = 0 gives weight 1 everywhere.
+
+    Example: one row of 4 loss tokens with gamma 0.5 gets 1.5, 1.375, 1.25, 1.125::
+
+        position_weights(jnp.ones((1, 4)), 0.5)
+    """
+    _checks.check_scalar("position_gamma", gamma, lo=0.0)
+    m = (mask_BxT != 0).astype(jnp.float32)
+    before_BxT = jnp.cumsum(m, axis=-1) - m
+    n_B1 = jnp.maximum(m.sum(-1, keepdims=True), 1.0)
+    return jnp.where(m != 0, 1.0 + gamma * (1.0 - before_BxT / n_B1), 1.0)
+
+
 def corrected_policy_loss(pg_BxT: jax.Array, old_BxT: jax.Array,
                           sampler_logp_BxT: jax.Array | None, mask_BxT: jax.Array, *,
                           correction, icepop_bounds, tis_cap, icepop_normalizer, aggregation,
-                          max_len) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Weight a per-token policy loss by the mismatch correction, then aggregate it.
+                          max_len, position_gamma=0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Weight a per-token policy loss by the mismatch correction (and, with
+    `position_gamma` > 0, by `position_weights`), then aggregate it.
 
     The shared tail of `grpo_loss`, `kimi_mopd_loss` and `glm_opd_loss`: `old_BxT` is the
-    (detached) training-engine log-prob the sampler is compared with.
+    (detached) training-engine log-prob the sampler is compared with. The position weights
+    enter the numerator only: the denominator stays the mask (or IcePop's kept tokens).
     """
     sampler_BxT = jax.lax.stop_gradient(sanitize(sampler_logp_BxT, mask_BxT))
     weight_BxT, denom_BxT, metrics = mismatch_correction(
         old_BxT, sampler_BxT, mask_BxT, correction, icepop_bounds, tis_cap, icepop_normalizer)
+    if not (isinstance(position_gamma, (int, float)) and position_gamma == 0):
+        weight_BxT = weight_BxT * position_weights(mask_BxT, position_gamma).astype(
+            weight_BxT.dtype)
     loss = aggregate(pg_BxT * weight_BxT, mask_BxT, aggregation, max_len=max_len,
                      denom_mask_BxT=denom_BxT)
     return loss, metrics

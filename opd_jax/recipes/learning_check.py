@@ -66,6 +66,23 @@ SETTINGS = {   # rollout prompts per iteration, minibatches, lr (schedule), iter
     "grpo": dict(prompts=32, group_size=8, minibatches=1, lr=2e-4, schedule="constant",
                  iterations=40),
 }
+# Sample-efficiency ablation of the Kimi signal (the objective's definition unchanged): every
+# row spends the same 64 student rollouts per iteration for the same 120 iterations, a
+# quarter of `kimi_mopd`'s rollouts per iteration above, and varies one way of spending them:
+#   g1     64 prompts x 1 sample (the plain form at a quarter of the budget);
+#   g4     16 prompts x 4 samples each (tinker-cookbook's OPD samples 4 per prompt);
+#   reuse2 each batch used twice: PPO ratio against the sampling policy, r from lp_old,
+#          the IcePop gate on the train/sampler mismatch (8 optimizer steps per iteration);
+#   iw05   IW-OPD position weighting, token weight 1 + 0.5 (1 - prefix share).
+# `python -m opd_jax.recipes.learning_check --objectives kimi_g1 kimi_g4 ...` prints them.
+_ABLATION = dict(objective="kimi_mopd", prompts=64, minibatches=4, lr=3e-4, schedule="cosine",
+                 iterations=120)
+SETTINGS |= {
+    "kimi_g1": _ABLATION,
+    "kimi_g4": _ABLATION | dict(prompts=16, group_size=4),
+    "kimi_reuse2": _ABLATION | dict(ppo_epochs=2, options=dict(ppo=True)),
+    "kimi_iw05": _ABLATION | dict(options=dict(position_gamma=0.5)),
+}
 
 
 def sft(workdir: str, families: dict, steps: int, *, init_from: str = STUDENT,
@@ -106,10 +123,12 @@ def setup(root: str) -> dict:
             "student_rewards": rewards(student)}
 
 
-def train(models: dict, objective: str, iterations: int | None = None) -> str:
-    """GRPO (arithmetic cell) or an OPD objective (both cells) from the student."""
+def train(models: dict, row: str, iterations: int | None = None) -> str:
+    """GRPO (arithmetic cell) or an OPD objective (both cells) from the student, with the
+    settings of `SETTINGS[row]` (a row names its objective, or is named after it)."""
     from opd_jax.trainers.run_policy import train_policy
-    s = SETTINGS[objective]
+    s = SETTINGS[row]
+    objective = s.get("objective", row)
     preset = "grpo.py:tiny" if objective == "grpo" else f"opd.py:{objective}"
     extra = [f"--config.tasks.families={FAMILIES}"]
     if objective == "grpo":
@@ -118,19 +137,22 @@ def train(models: dict, objective: str, iterations: int | None = None) -> str:
     else:
         t = models["teachers"]
         paths = {f"{d}/high": p for d, p in t.items()} | dict(t)
-        extra.append(f"--config.teachers.paths={paths}")
+        extra += [f"--config.teachers.paths={paths}",
+                  f"--config.rollout.group_size={s.get('group_size', 1)}"]
     cfg = trainer_config(
         preset, "--config.tasks.efforts=('high',)", f"--config.model.init_from={models['student']}",
         f"--config.train.steps={iterations or s['iterations']}", f"--config.optim.lr={s['lr']}",
         f"--config.optim.schedule={s['schedule']}",
         "--config.optim.warmup_steps=5", f"--config.rollout.prompts_per_step={s['prompts']}",
-        f"--config.rl.minibatches={s['minibatches']}", "--config.rl.ppo_epochs=1",
+        f"--config.rl.minibatches={s['minibatches']}",
+        f"--config.rl.ppo_epochs={s.get('ppo_epochs', 1)}",
         f"--config.tasks.difficulty={DIFFICULTY}",
         f"--config.rollout.sampling.max_new_tokens={MAX_NEW_TOKENS}",
         "--config.rollout.sampling.max_turns=1", f"--config.eval.sampling.max_new_tokens="
         f"{MAX_NEW_TOKENS}", "--config.eval.sampling.max_turns=1",
-        "--config.eval.every=10", f"--config.eval.n={EVAL_N}", *extra)
-    run = os.path.join(models["root"], objective)
+        "--config.eval.every=10", f"--config.eval.n={EVAL_N}", *extra,
+        *(f"--config.objective.options.{k}={v}" for k, v in s.get("options", {}).items()))
+    run = os.path.join(models["root"], row)
     train_policy(cfg, run, progress=False)
     return run
 
@@ -163,31 +185,84 @@ def summarize(models: dict, run: str) -> dict:
     return out
 
 
+def row_line(row: str, r: dict) -> list[str]:
+    """Printed lines of one row's summary."""
+    out = []
+    for c in CELLS:
+        if SETTINGS[row].get("objective", row) == "grpo" and c != "general/high":
+            continue
+        x = r[c]
+        frac = "" if x["fraction_of_teacher"] is None else (
+            f"  teacher {x['teacher']:.3f}  reached {x['fraction_of_teacher']:.0%}"
+            f" (90% first at iteration {x['first_iteration_at_90pct']})")
+        out.append(f"{row:20s} {c:13s} student {x['before']:.3f} -> {x['after']:.3f}{frac}  "
+                   f"paired diff {x['paired_diff']:+.3f} (se {x['paired_se']:.3f})")
+    tr = r["train_reward"]
+    out.append(f"{row:20s} on-policy reward, first 5 -> last 5 iterations: {tr['first5']:.3f}"
+               f" -> {tr['last5']:.3f} (se of the difference {tr['diff_se']:.3f})")
+    return out
+
+
+def report_md(results: dict) -> str:
+    """The table of every measured row, from learning_check.json (see `main`)."""
+    lines = ["# learning_check: does each objective / option learn?", "",
+             "From `builtin:base`, two specialists fine-tuned from it (general/high: "
+             "arithmetic, coding/high: code_trace, difficulty 2); every row distills both "
+             f"into the base (GRPO: the general cell alone). Held-out rewards, greedy, "
+             f"{EVAL_N} eval-split problems per cell, seed 0. *Level* = mean of the last "
+             f"{LAST_EVALS} in-run evaluations / the teacher's reward; *90% at* = the first "
+             "evaluated iteration at 90% of the teacher.", "",
+             "| row | objective | rollouts / iteration (prompts x G) | epochs x minibatches "
+             "| options | iterations | general/high before -> after | level | 90% at "
+             "| coding/high after | level | wall | commit |",
+             "|---|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for row, r in results["rows"].items():
+        s, g, c = r["settings"], r["general/high"], r["coding/high"]
+        lvl = lambda x: "-" if x["fraction_of_teacher"] is None else f"{x['fraction_of_teacher']:.0%}"
+        lines.append(
+            f"| {row} | {s.get('objective', row)} | {s['prompts'] * s.get('group_size', 1)} "
+            f"({s['prompts']} x {s.get('group_size', 1)}) | {s.get('ppo_epochs', 1)} x "
+            f"{s['minibatches']} | {s.get('options', {}) or '-'} | {s['iterations']} | "
+            f"{g['before']:.3f} -> {g['after']:.3f} | {lvl(g)} | "
+            f"{g['first_iteration_at_90pct'] if g['first_iteration_at_90pct'] is not None else '-'} | "
+            f"{c['after']:.3f} | {lvl(c)} | {r['wall_s'] / 60:.1f} min | {r['commit']} |")
+    t = results.get("teacher_reward", {})
+    lines += ["", "Teachers: " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()),
+              "", f"Commands: " + "; ".join(f"`{c}`" for c in results.get("commands", []))]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
+    import sys
+    import time
+
+    from opd_jax.recipes.base_model import _commit
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True)
-    p.add_argument("--objectives", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--objectives", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
+                   help="rows of SETTINGS to run (an objective's name, or an ablation row)")
     a = p.parse_args(argv)
+    command = "python -m opd_jax.recipes.learning_check " + " ".join(
+        sys.argv[1:] if argv is None else argv)
     models = setup(a.workdir)
     print("teachers (held-out reward on their cell):", models["teacher_reward"], flush=True)
-    results = {}
-    for obj in a.objectives:
-        results[obj] = summarize(models, train(models, obj))
-        for c in CELLS:
-            r = results[obj][c]
-            if obj == "grpo" and c != "general/high":
-                continue
-            frac = "" if r["fraction_of_teacher"] is None else (
-                f"  teacher {r['teacher']:.3f}  reached {r['fraction_of_teacher']:.0%}"
-                f" (90% first at iteration {r['first_iteration_at_90pct']})")
-            print(f"{obj:20s} {c:13s} student {r['before']:.3f} -> {r['after']:.3f}{frac}  "
-                  f"paired diff {r['paired_diff']:+.3f} (se {r['paired_se']:.3f})", flush=True)
-        tr = results[obj]["train_reward"]
-        print(f"{obj:20s} on-policy reward, first 5 -> last 5 iterations: "
-              f"{tr['first5']:.3f} -> {tr['last5']:.3f} (se of the difference {tr['diff_se']:.3f})",
-              flush=True)
-    with open(os.path.join(a.workdir, "learning_check.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=2)
+    path = os.path.join(a.workdir, "learning_check.json")
+    results = {"rows": {}, "commands": []}
+    if os.path.exists(path):             # rows of earlier invocations are kept
+        with open(path, encoding="utf-8") as f:
+            results = json.load(f)
+    results["teacher_reward"] = models["teacher_reward"]
+    results["commands"] = sorted(set(results.get("commands", [])) | {command})
+    for row in a.objectives:
+        t0 = time.time()
+        r = summarize(models, train(models, row))
+        results["rows"][row] = r | {"settings": SETTINGS[row], "wall_s": time.time() - t0,
+                                    "commit": _commit(), "command": command}
+        print("\n".join(row_line(row, r)), flush=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+        with open(os.path.join(a.workdir, "learning_check.md"), "w", encoding="utf-8") as f:
+            f.write(report_md(results))
 
 
 if __name__ == "__main__":

@@ -117,6 +117,14 @@ def check_config(cfg: ml_collections.ConfigDict, model_config) -> None:
                   f"fewer than model.max_position_embeddings={max_pos}")
             _need(sp.temperature >= 0, f"{name}.temperature", sp.temperature, "a number >= 0")
             _need(sp.max_turns >= 1, f"{name}.max_turns", sp.max_turns, "an int >= 1")
+        o = cfg.get("objective")
+        if (o is not None and o.name == "kimi_mopd" and not o.options.get("ppo", False)
+                and cfg.rl.ppo_epochs > 1):
+            raise ValueError(f"rl.ppo_epochs={cfg.rl.ppo_epochs} with kimi_mopd ppo=False: a "
+                             f"second pass over the batch would use r_t and the gradient of "
+                             f"a policy that no longer sampled it; expected ppo_epochs=1, or "
+                             f"--config.objective.options.ppo=True (importance-sampled reuse "
+                             f"with the PPO ratio and the IcePop gate)")
         if r.sampling.temperature == 0:
             warnings.warn("rollout.sampling.temperature=0: RL samples greedily, so the "
                           "sampler's log-probs are 0 and IcePop/TIS mask (nearly) every token "

@@ -201,6 +201,7 @@ class KimiMOPD(_PolicyOptions):
     needs: ClassVar[Needs] = Needs(teacher="logp")
     r_max: float = 5.0
     ppo: bool = False            # reuse the batch: PPO ratio/clip, r from lp_old
+    position_gamma: float = 0.0  # IW-OPD position weight 1 + gamma (1 - prefix share)
 
     def __call__(self, model, batch, teachers=()):
         plain_BxT, logp_BxT = student_logps(model, batch, self.behaviour)
@@ -215,7 +216,8 @@ class KimiMOPD(_PolicyOptions):
         loss, metrics = losses.kimi_mopd_loss(
             logp_BxT, teacher_BxT, batch["mask"], r_max=self.r_max,
             old_logp_BxT=batch["old_logp"] if self.ppo else None, eps_low=self.eps_low,
-            eps_high=self.eps_high, **_correction_kwargs(self, batch))
+            eps_high=self.eps_high, position_gamma=self.position_gamma,
+            **_correction_kwargs(self, batch))
         ratio_BxT = jax.lax.stop_gradient(batch["teacher_logp"] - plain_BxT)
         metrics |= per_teacher_metrics(
             {"log_ratio": ratio_BxT,
@@ -233,6 +235,7 @@ class GLMCrossStage(_PolicyOptions):
     needs: ClassVar[Needs] = Needs(teacher="logp")
     kl_coef: float = 1.0
     task_reward_weight: float = 0.0   # > 0 mixes in the task advantage (batch["adv"])
+    position_gamma: float = 0.0       # IW-OPD position weight 1 + gamma (1 - prefix share)
 
     def __call__(self, model, batch, teachers=()):
         _, logp_BxT = student_logps(model, batch, self.behaviour)
@@ -246,7 +249,8 @@ class GLMCrossStage(_PolicyOptions):
         loss, metrics = losses.glm_opd_loss(
             logp_BxT, batch["old_logp"], teacher_BxT, batch["mask"],
             eps_low=self.eps_low, eps_high=self.eps_high, task_adv=task_adv,
-            kl_coef=self.kl_coef, **_correction_kwargs(self, batch))
+            kl_coef=self.kl_coef, position_gamma=self.position_gamma,
+            **_correction_kwargs(self, batch))
         ratio_BxT = batch["teacher_logp"] - old_plain_BxT
         metrics |= per_teacher_metrics({"log_ratio": ratio_BxT, "reverse_kl_est": -ratio_BxT},
                                        batch["teacher_onehot"], batch["mask"])

@@ -107,6 +107,15 @@ def test_policy_configs_are_checked_before_work(tmp_path, override, match):
     assert not (tmp_path / "run").exists()
 
 
+def test_kimi_batch_reuse_without_the_ppo_ratio_is_refused(tmp_path):
+    cfg = load_config(os.path.join(ROOT, "configs/opd.py:kimi_mopd"),
+                      ["--config.rl.ppo_epochs=2"])
+    with pytest.raises(ValueError, match=r"rl.ppo_epochs=2 with kimi_mopd ppo=False.*"
+                                         r"--config.objective.options.ppo=True"):
+        train_policy(cfg, str(tmp_path / "run"), progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_greedy_rl_warns():
     with pytest.warns(RuntimeWarning, match="rollout.sampling.temperature=0: RL samples "
                                             "greedily.*gradient vanishes"):

@@ -74,9 +74,22 @@ def correction_weight(old, sampler, kind, bounds=(0.5, 5.0), cap=2.0):
     return min(k, cap)
 
 
+def position_weight(m, gamma):
+    """IW-OPD: 1 + gamma (1 - share of the row's loss tokens before t), token by token."""
+    b, t = m.shape
+    w = np.ones((b, t))
+    for i in range(b):
+        n, seen = sum(1 for j in range(t) if m[i, j] != 0), 0
+        for j in range(t):
+            if m[i, j] != 0:
+                w[i, j] = 1.0 + gamma * (1.0 - seen / n)
+                seen += 1
+    return w
+
+
 def grpo(lp, old, adv, m, *, eps_low=0.2, eps_high=0.2, dual_clip=None, ref=None, beta=0.0,
          sampler=None, correction=None, bounds=(0.5, 5.0), normalizer="all", cap=2.0,
-         mode="token_mean", max_len=None):
+         mode="token_mean", max_len=None, gamma=0.0):
     b, t = lp.shape
     adv = np.broadcast_to(adv if adv.ndim == 2 else adv[:, None], (b, t))
     pg = np.zeros((b, t))
@@ -89,7 +102,7 @@ def grpo(lp, old, adv, m, *, eps_low=0.2, eps_high=0.2, dual_clip=None, ref=None
             if sampler is not None:
                 w[i, j] = correction_weight(old[i, j], sampler[i, j], correction, bounds, cap)
     denom = m * w if (correction == "icepop" and normalizer == "kept") else m
-    loss = aggregate(pg * w, m, mode, max_len, denom)
+    loss = aggregate(pg * w * position_weight(m, gamma), m, mode, max_len, denom)
     if ref is not None:
         d = np.where(m != 0, ref - lp, 0.0)
         loss += beta * aggregate(np.exp(d) - d - 1, m, mode, max_len)
@@ -97,7 +110,8 @@ def grpo(lp, old, adv, m, *, eps_low=0.2, eps_high=0.2, dual_clip=None, ref=None
 
 
 def kimi(lp, teacher, m, r_max, *, old=None, eps_low=0.2, eps_high=0.2, sampler=None,
-         correction=None, bounds=(0.5, 5.0), normalizer="all", cap=2.0, mode="token_mean"):
+         correction=None, bounds=(0.5, 5.0), normalizer="all", cap=2.0, mode="token_mean",
+         gamma=0.0):
     base = lp if old is None else old
     r = np.clip(teacher - base, -r_max, r_max)
     b, t = lp.shape
@@ -114,15 +128,15 @@ def kimi(lp, teacher, m, r_max, *, old=None, eps_low=0.2, eps_high=0.2, sampler=
             if sampler is not None:
                 w[i, j] = correction_weight(base[i, j], sampler[i, j], correction, bounds, cap)
     denom = m * w if (correction == "icepop" and normalizer == "kept") else m
-    return aggregate(l * w, m, mode, None, denom)
+    return aggregate(l * w * position_weight(m, gamma), m, mode, None, denom)
 
 
 def glm(lp, old, teacher, m, *, eps_low=0.2, eps_high=0.2, task_adv=None, kl_coef=1.0,
-        mode="token_mean"):
+        mode="token_mean", gamma=0.0):
     adv = -kl_coef * (old - teacher)
     if task_adv is not None:
         adv = adv + (task_adv if task_adv.ndim == 2 else task_adv[:, None])
-    return grpo(lp, old, adv, m, eps_low=eps_low, eps_high=eps_high, mode=mode)
+    return grpo(lp, old, adv, m, eps_low=eps_low, eps_high=eps_high, mode=mode, gamma=gamma)
 
 
 def kl(p, q):

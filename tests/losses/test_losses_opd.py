@@ -46,16 +46,16 @@ def glm(x, *, task=None, **kw):
        correction=st.sampled_from([None, "icepop", "tis"]),
        mode=st.sampled_from(["token_mean", "seq_mean"]),
        normalizer=st.sampled_from(["all", "kept"]),
-       r_max=st.sampled_from([0.5, 2.0, 1e3]))
-def test_kimi_matches_numpy(seed, use_old, correction, mode, normalizer, r_max):
+       r_max=st.sampled_from([0.5, 2.0, 1e3]), gamma=st.sampled_from([0.0, 0.5, 2.0]))
+def test_kimi_matches_numpy(seed, use_old, correction, mode, normalizer, r_max, gamma):
     x = make_inputs(seed)
     loss, mt = kimi(x, r_max=r_max, use_old=use_old, use_sampler=correction is not None,
                     correction=correction, aggregation=mode, icepop_normalizer=normalizer,
-                    eps_high=0.28)
+                    eps_high=0.28, position_gamma=gamma)
     x64 = {k: v.astype(np.float64) for k, v in x.items()}
     want = ref.kimi(x64["lp"], x64["teacher"], x64["m"], r_max, old=x64["old"] if use_old else None,
                     eps_high=0.28, sampler=x64["sampler"], correction=correction,
-                    normalizer=normalizer, mode=mode)
+                    normalizer=normalizer, mode=mode, gamma=gamma)
     np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
     base = x64["old"] if use_old else x64["lp"]
     d, valid = x64["teacher"] - base, x64["m"] > 0
@@ -69,13 +69,16 @@ def test_kimi_matches_numpy(seed, use_old, correction, mode, normalizer, r_max):
 
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), task=st.sampled_from([None, "task_B", "task_BxT"]),
-       kl_coef=st.sampled_from([1.0, 0.3]), mode=st.sampled_from(["token_mean", "max_len"]))
-def test_glm_matches_numpy(seed, task, kl_coef, mode):
+       kl_coef=st.sampled_from([1.0, 0.3]), mode=st.sampled_from(["token_mean", "max_len"]),
+       gamma=st.sampled_from([0.0, 0.5]))
+def test_glm_matches_numpy(seed, task, kl_coef, mode, gamma):
     x = make_inputs(seed)
-    loss, mt = glm(x, task=task, kl_coef=kl_coef, aggregation=mode, eps_high=0.28)
+    loss, mt = glm(x, task=task, kl_coef=kl_coef, aggregation=mode, eps_high=0.28,
+                   position_gamma=gamma)
     x64 = {k: v.astype(np.float64) for k, v in x.items()}
     want = ref.glm(x64["lp"], x64["old"], x64["teacher"], x64["m"], eps_high=0.28,
-                   task_adv=None if task is None else x64[task], kl_coef=kl_coef, mode=mode)
+                   task_adv=None if task is None else x64[task], kl_coef=kl_coef, mode=mode,
+                   gamma=gamma)
     np.testing.assert_allclose(loss, want, rtol=1e-5, atol=1e-6)
     valid = x64["m"] > 0
     np.testing.assert_allclose(mt["opd_adv_mean"], (x64["teacher"] - x64["old"])[valid].mean(),
@@ -94,6 +97,24 @@ def test_r_is_exactly_clipped():
     # No gradient reaches the teacher.
     gt = jax.grad(lambda t: kimi({**x, "teacher": t}, r_max=0.7)[0])(jnp.asarray(x["teacher"]))
     assert np.all(np.asarray(gt) == 0)
+
+
+def test_position_weights_fall_over_the_loss_tokens_of_each_row():
+    """1 + gamma at a row's first loss token, down by gamma / n per loss token; masked
+    positions (tool output, padding) are skipped by the count and get weight 1."""
+    from opd_jax.losses.policy import position_weights
+    m = jnp.asarray([[1, 1, 1, 1, 0, 0], [0, 1, 0, 1, 1, 0]], jnp.float32)
+    w = np.asarray(position_weights(m, 0.5))
+    np.testing.assert_allclose(w[0], [1.5, 1.375, 1.25, 1.125, 1, 1], rtol=1e-6)
+    np.testing.assert_allclose(w[1], [1, 1.5, 1, 1 + 0.5 * 2 / 3, 1 + 0.5 / 3, 1], rtol=1e-6)
+    np.testing.assert_array_equal(position_weights(m, 0.0), np.ones((2, 6)))
+    # The policy-gradient form's gradient is exactly -r w m / sum(m).
+    x = make_inputs(3)
+    g = jax.grad(lambda lp: kimi({**x, "lp": lp}, r_max=0.7, position_gamma=0.5)[0])(
+        jnp.asarray(x["lp"]))
+    r = np.clip(x["teacher"] - x["lp"], -0.7, 0.7)
+    wx = ref.position_weight(x["m"], 0.5)
+    np.testing.assert_allclose(g, -r * wx * x["m"] / x["m"].sum(), rtol=1e-5, atol=1e-7)
 
 
 def test_kimi_forms_agree_on_fresh_batch():
@@ -209,6 +230,7 @@ def test_jit_and_vmap():
     ("kimi", dict(r_max=0.0), "r_max=0"),
     ("kimi", dict(r_max=1.0, teacher=jnp.zeros((B, T + 1))), "teacher_logp_BxT has shape"),
     ("kimi", dict(r_max=1.0, correction="tis"), "needs sampler_logp_BxT"),
+    ("kimi", dict(r_max=1.0, position_gamma=-0.5), "position_gamma=-0.5"),
     ("glm", dict(task_adv=jnp.zeros((B, 2))), "task_adv has shape"),
     ("glm", dict(kl_coef=-1.0), "kl_coef=-1"),
     ("glm", dict(old=jnp.zeros((B + 1, T))), "old_logp_BxT has shape"),
