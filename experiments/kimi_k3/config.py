@@ -5,10 +5,13 @@ Run (from the repository root):
     opd-jax experiment --config experiments/kimi_k3/config.py:reduced --workdir runs/kimi_k3
 
 Presets:
-  ``reduced`` — the README's main job: one testbed domain (general: chain) x 3 efforts,
-                from the shipped base, short runs, one seed. Prints the retention table.
-  ``full``    — 3 domains x 3 efforts, annealed and plain effort ladders, 3 seeds (hours on
-                a CPU; minutes on an accelerator).
+  ``reduced`` — the README's main job: two testbed domains (general: chain, agent:
+                tool_chain, which compete: each one's specialist loses the other) x 3
+                efforts = 6 teachers, from the shipped base, sized to run in <= 10 minutes
+                on 2 CPU cores; one seed (``--config.seeds="(0,1,2)"`` for the table).
+  ``full``    — 3 domains x 3 efforts, annealed and plain effort ladders (18 GRPO
+                teachers), the reduced preset's sizes, 3 seeds (``--config.seeds="(0,)"``
+                for one).
   ``smoke``   — the smallest pipeline for tests (a random 1-layer model, one domain, two
                 efforts, a few iterations).
   ``scale_v5p64``, ``scale_8xh100`` — real sizes (Qwen3-1.7B student, Qwen3-8B teachers from
@@ -52,14 +55,32 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     c.merge = ml_collections.ConfigDict(dict(method="task_arithmetic", scale=1.0))
     c.eval = base("eval.py:grid").eval
     c.eval.n = 64
-    on_testbed(c, ("sft", "specialist_sft"), ("teacher", "student"))
+    # Difficulty 2, not the testbed's 3: retention is a ratio of rewards, and at difficulty 3
+    # the low-effort cells of chain and code_trace score about 0.05 (the base's card), where
+    # the ratio is noise. At 2 every cell of the base lies between 0.3 and 1.0 and the effort
+    # axis still orders low < high < max (card: chain 0.37 / 0.85 / 0.96).
+    on_testbed(c, ("sft", "specialist_sft"), ("teacher", "student"),
+               difficulty=2 if arg in ("reduced", "full") else None)
+    if arg in ("reduced", "full"):
+        # Sized for the 10-minute budget of the README's main job (2 CPU cores). The base
+        # already is an SFT model of these tasks: the cold start is a light touch (10 steps
+        # at lr 1e-4; 5e-4 measurably damaged it), and there is no per-teacher SFT (60 steps
+        # at 5e-4 took max-effort chain from 0.984 to 0.812 at difficulty 3, and cost 2.5
+        # minutes per domain). Teachers learn by RL what the base does not do: answer within
+        # a smaller share of the effort's think budget (the length penalty).
+        c.sft.train.update(dict(steps=10, ckpt_every=10))
+        c.sft.optim.lr = 1e-4
+        c.specialist_sft.train.update(dict(steps=0, ckpt_every=1))
+        c.teacher.train.steps = 10
+        c.teacher.rollout.prompts_per_step = 8
+        c.teacher.optim.update(dict(lr=1e-4, warmup_steps=2))
+        c.teacher.eval.every = 0
+        c.student.train.steps = 30
     if arg == "reduced":
-        c.domains = {"general": "chain"}
+        c.domains = {"general": "chain", "agent": "tool_chain"}
     elif arg == "full":
         c.seeds = (0, 1, 2)
         c.effort_schedule = "both"
-        c.teacher.train.steps = 40
-        c.student.train.steps = 40
     elif arg == "smoke":
         c.domains = {"general": "chain"}
         c.efforts = ("high", "max")

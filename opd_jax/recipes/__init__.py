@@ -20,8 +20,14 @@ def recipe_module(name: str):
     return importlib.import_module(f"opd_jax.recipes.{name}")
 
 
-def run_experiment(c, workdir: str, *, progress: bool = True) -> dict:
-    """Every seed's stages, then the report. Re-running resumes / only re-reports."""
+def run_experiment(c, workdir: str, *, progress: bool = True, command: str | None = None) -> dict:
+    """Every seed's stages, then the report. Re-running resumes / only re-reports.
+
+    command: how this was invoked, for the results' provenance (default: this process's
+    argv)."""
+    import sys
+
+    from opd_jax.recipes import report as rp
     from opd_jax.recipes.pipeline import check_stages, run_stages
     from opd_jax.trainers.builders import build_tokenizer
     mod = recipe_module(c.recipe)
@@ -33,6 +39,9 @@ def run_experiment(c, workdir: str, *, progress: bool = True) -> dict:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(c.to_dict(), f, indent=2, default=str)
+    rp.write_provenance(workdir, command or " ".join(
+        ["opd-jax" if os.path.basename(sys.argv[0]) == "opd-jax" else sys.argv[0],
+         *sys.argv[1:]]))
     for seed in seeds:
         print(f"== {c.recipe} seed {seed}", flush=True)
         run_stages(mod.build(c, seed), os.path.join(workdir, f"seed{seed}"), progress=progress)
@@ -72,14 +81,16 @@ def policy_overrides(*, steps: int, lr: float, prompts: int, difficulty: int = 1
 BASE = "builtin:base"
 
 
-def on_testbed(c, sft_sections, policy_sections) -> None:
+def on_testbed(c, sft_sections, policy_sections, difficulty: int | None = None) -> None:
     """Put a recipe config on the testbed (docs/testbed.md), in place: its SFT cold start
     (``c.sft``) starts from the shipped base, every stage trains on its domains' train split
     at their common evaluation difficulty with the testbed's token budget, and the report
-    evaluates there (``c.eval``; ``hard_difficulty`` one above). ``c.domains`` must map each
+    evaluates there (``c.eval.difficulty``). ``c.domains`` must map each
     domain to its testbed family.
 
     sft_sections / policy_sections: names of the config's SFT and GRPO/OPD sections.
+    difficulty: train and evaluate at this difficulty instead of the domains' common
+    evaluation difficulty (a recipe whose claims need it says why).
     """
     from opd_jax.recipes import testbed as tb
     bad = {d: f for d, f in dict(c.domains).items() if tb.TESTBED.get(d) != f}
@@ -89,7 +100,9 @@ def on_testbed(c, sft_sections, policy_sections) -> None:
     if len(levels) != 1:
         raise ValueError(f"domains {sorted(c.domains)} have evaluation difficulties "
                          f"{tb.EVAL_DIFFICULTY}: expected one difficulty for the recipe")
-    difficulty = levels.pop()
+    difficulty = levels.pop() if difficulty is None else int(difficulty)
+    if difficulty not in range(1, 6):
+        raise ValueError(f"difficulty={difficulty}: expected 1..5 (the testbed families' levels)")
     c.sft.model.init_from = BASE
     for name in sft_sections:
         c[name].data.tasks.difficulty = difficulty
@@ -101,7 +114,6 @@ def on_testbed(c, sft_sections, policy_sections) -> None:
             sampling.update(dict(max_new_tokens=tb.SAMPLING["max_new_tokens"],
                                  max_turns=tb.SAMPLING["max_turns"]))
     c.eval.difficulty = difficulty
-    c.eval.hard_difficulty = difficulty + 1
     c.eval.sampling.update(dict(max_new_tokens=tb.SAMPLING["max_new_tokens"],
                                 max_turns=tb.SAMPLING["max_turns"]))
 

@@ -77,6 +77,38 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def paired(a: Sequence[float], b: Sequence[float]) -> dict:
+    """Mean and standard error of a - b over paired values (the same held-out problems):
+    {"diff", "se", "n"}; se is 0 for fewer than two pairs."""
+    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
+    if d.shape != (len(a),) or len(a) != len(b):
+        raise ValueError(f"paired values need equal lengths, got {len(a)} and {len(b)}")
+    se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
+    return {"diff": float(d.mean()) if len(d) else float("nan"), "se": se, "n": int(len(d))}
+
+
+def write_provenance(workdir: str, command: str) -> None:
+    """Record the command and commit of an experiment invocation (`provenance`)."""
+    from opd_jax.recipes.base_model import _commit
+    write_json(os.path.join(workdir, "provenance.json"), {"command": command,
+                                                          "commit": _commit()})
+
+
+def provenance(workdir: str, seeds: Sequence[int], stage_names: Sequence[str]) -> dict:
+    """Command, commit and wall time of an experiment: the last invocation's command and
+    commit (``provenance.json``, written by `run_experiment`) and the summed wall seconds of
+    its stages over seeds (each stage's ``done.json``: a resumed run counts each stage once)."""
+    from opd_jax.recipes.pipeline import read_done
+    path = os.path.join(workdir, "provenance.json")
+    meta = {"command": "unknown", "commit": "unknown"}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            meta |= json.load(f)
+    wall = sum(read_done(os.path.join(workdir, f"seed{s}"), n).get("wall_s", 0.0)
+               for s in seeds for n in stage_names)
+    return meta | {"stages_wall_s": round(float(wall), 1)}
+
+
 def write_json(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:

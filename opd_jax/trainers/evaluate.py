@@ -69,6 +69,8 @@ def aggregate(episodes) -> list[dict]:
             "reward": float(np.mean([e.reward for e in eps])),
             "pass_rate": float(np.mean([float(e.info.get("correct", 0.0)) for e in eps])),
             "length": float(np.mean([e.sampled_tokens for e in eps])),
+            # per task, in task order: paired comparisons of two models on the same problems
+            "rewards": [float(e.reward) for e in eps],
         })
     return rows
 

@@ -55,6 +55,7 @@ def test_aggregate_means_per_cell():
     assert hi["reward"] == pytest.approx(0.6, abs=1e-6)
     assert hi["pass_rate"] == pytest.approx(2 / 3, abs=1e-6)
     assert hi["length"] == pytest.approx((2 + 4 + 2) / 3, abs=1e-6)
+    assert hi["rewards"] == [1.0, 0.0, 0.8]      # per task, in order: paired comparisons
     assert "| general/low | 1 | 0.500 | 1.000 | 1.0 |" in format_rows(rows)
 
 
