@@ -75,6 +75,7 @@ SETTINGS = {   # rollout prompts per iteration, minibatches, lr (schedule), iter
 #          the IcePop gate on the train/sampler mismatch (8 optimizer steps per iteration);
 #   iw05   IW-OPD position weighting, token weight 1 + 0.5 (1 - prefix share).
 # `python -m opd_jax.recipes.learning_check --objectives kimi_g1 kimi_g4 ...` prints them.
+REFERENCE_ROW = "kimi_g1"    # the ablation's baseline: the other rows are compared with it
 _ABLATION = dict(objective="kimi_mopd", prompts=64, minibatches=4, lr=3e-4, schedule="cosine",
                  iterations=120)
 SETTINGS |= {
@@ -174,7 +175,9 @@ def summarize(models: dict, run: str) -> dict:
                   "first_iteration_at_90pct": next((s for s, v in curve if teacher and
                                                     v >= 0.9 * teacher), None),
                   "paired_diff": float(d.mean()),
-                  "paired_se": float(d.std(ddof=1) / np.sqrt(len(d)))}
+                  "paired_se": float(d.std(ddof=1) / np.sqrt(len(d))),
+                  # per task, for paired comparisons between rows (`report_md`)
+                  "after_rewards": [float(x) for x in after[c]]}
     # On-policy (temperature-1) reward of the first and last 5 iterations; the standard error
     # of their difference from the spread between iterations.
     first = np.asarray([m["reward/mean"] for m in history[:5]])
@@ -213,17 +216,26 @@ def report_md(results: dict) -> str:
              f"{LAST_EVALS} in-run evaluations / the teacher's reward; *90% at* = the first "
              "evaluated iteration at 90% of the teacher.", "",
              "| row | objective | rollouts / iteration (prompts x G) | epochs x minibatches "
-             "| options | iterations | general/high before -> after | level | 90% at "
-             "| coding/high after | level | wall | commit |",
-             "|---|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+             "| options | iterations | general/high before -> after | paired diff (se) "
+             f"| - {REFERENCE_ROW} (se) | level | 90% at | coding/high after | level | wall "
+             "| commit |",
+             "|---|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    ref = results["rows"].get(REFERENCE_ROW, {}).get("general/high", {}).get("after_rewards")
     for row, r in results["rows"].items():
         s, g, c = r["settings"], r["general/high"], r["coding/high"]
         lvl = lambda x: "-" if x["fraction_of_teacher"] is None else f"{x['fraction_of_teacher']:.0%}"
+
+        def vs(x):        # paired over the same held-out problems as the reference row
+            if row == REFERENCE_ROW or not ref or "after_rewards" not in x:
+                return "-"
+            d = np.asarray(x["after_rewards"]) - np.asarray(ref)
+            return f"{d.mean():+.3f} ({d.std(ddof=1) / np.sqrt(len(d)):.3f})"
         lines.append(
             f"| {row} | {s.get('objective', row)} | {s['prompts'] * s.get('group_size', 1)} "
             f"({s['prompts']} x {s.get('group_size', 1)}) | {s.get('ppo_epochs', 1)} x "
             f"{s['minibatches']} | {s.get('options', {}) or '-'} | {s['iterations']} | "
-            f"{g['before']:.3f} -> {g['after']:.3f} | {lvl(g)} | "
+            f"{g['before']:.3f} -> {g['after']:.3f} | "
+            f"{g['paired_diff']:+.3f} ({g['paired_se']:.3f}) | {vs(g)} | {lvl(g)} | "
             f"{g['first_iteration_at_90pct'] if g['first_iteration_at_90pct'] is not None else '-'} | "
             f"{c['after']:.3f} | {lvl(c)} | {r['wall_s'] / 60:.1f} min | {r['commit']} |")
     t = results.get("teacher_reward", {})
@@ -241,7 +253,22 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", required=True)
     p.add_argument("--objectives", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
                    help="rows of SETTINGS to run (an objective's name, or an ablation row)")
+    p.add_argument("--report", action="store_true",
+                   help="only rewrite learning_check.md from the workdir's learning_check.json")
     a = p.parse_args(argv)
+    if a.report:
+        with open(os.path.join(a.workdir, "learning_check.json"), encoding="utf-8") as f:
+            results = json.load(f)
+        for row, r in results["rows"].items():     # rows measured before per-task rewards
+            if "after_rewards" not in r["general/high"]:   # were kept: greedy, deterministic
+                after = rewards(os.path.join(a.workdir, row))
+                for c in CELLS:
+                    r[c]["after_rewards"] = [float(x) for x in after[c]]
+        with open(os.path.join(a.workdir, "learning_check.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+        with open(os.path.join(a.workdir, "learning_check.md"), "w", encoding="utf-8") as f:
+            f.write(report_md(results))
+        return
     command = "python -m opd_jax.recipes.learning_check " + " ".join(
         sys.argv[1:] if argv is None else argv)
     models = setup(a.workdir)

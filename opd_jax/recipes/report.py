@@ -80,9 +80,9 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 def paired(a: Sequence[float], b: Sequence[float]) -> dict:
     """Mean and standard error of a - b over paired values (the same held-out problems):
     {"diff", "se", "n"}; se is 0 for fewer than two pairs."""
-    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
-    if d.shape != (len(a),) or len(a) != len(b):
+    if len(a) != len(b):
         raise ValueError(f"paired values need equal lengths, got {len(a)} and {len(b)}")
+    d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
     se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
     return {"diff": float(d.mean()) if len(d) else float("nan"), "se": se, "n": int(len(d))}
 

@@ -99,12 +99,18 @@ def test_presets_start_from_the_base_on_the_testbed(recipe, preset):
         assert tasks.difficulty == c.eval.difficulty, s.name
         # Only the cold start loads a checkpoint by path; the others start from a stage.
         assert (s.init_from is None) == (s.name in ("sft",)), s.name
-    assert {EVAL_DIFFICULTY[d] for d in c.domains} == {c.eval.difficulty}
+    # kimi_k3's research presets train and evaluate at 2, where every cell is above the
+    # floor (its retention claim is a ratio; experiments/kimi_k3/config.py says why).
+    kimi = recipe == "kimi_k3" and preset in ("reduced", "full")
+    assert {2} if kimi else {EVAL_DIFFICULTY[d] for d in c.domains} == {c.eval.difficulty}
 
 
 def test_reduced_and_full_plans():
     k = recipe_module("kimi_k3")
     c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:full"))
+    assert c.specialist_sft.train.steps == 0          # the preset: GRPO from the cold start
+    assert {s.name: s for s in k.build(c, 0)}["rl_coding_max"].init_from == "sft"
+    c.specialist_sft.train.steps = 60                 # each ladder's top: its own SFT first
     stages = k.build(c, 0)
     names = [s.name for s in stages]
     # Annealed ladder: max from its specialist SFT (from the cold start), high from max, low
@@ -123,8 +129,6 @@ def test_reduced_and_full_plans():
     assert k.rl_steps_to(stages, "rl_coding_low", records) == sum(
         records[n]["optimizer_steps"] for n in ("rl_coding_low", "rl_coding_high",
                                                  "rl_coding_max", "sft_coding_max"))
-    c.specialist_sft.train.steps = 0       # GRPO straight from the cold start
-    assert {s.name: s for s in k.build(c, 0)}["rl_coding_max"].init_from == "sft"
     assert len([n for n in names if n.startswith(("rl_", "plain_"))]) == 18
     assert by["student"].teachers["agent/low"] == "rl_agent_low"
     assert by["rl_agent_low"].config.tasks.efforts == ("low",)
@@ -158,6 +162,11 @@ def test_glm_bad_stage_teacher():
 
 
 def test_report_helpers(tmp_path):
+    d = rp.paired([1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0])
+    assert d["diff"] == 0.5 and d["n"] == 4
+    assert abs(d["se"] - np.std([1, 0, 0, 1], ddof=1) / 2) < 1e-12
+    with pytest.raises(ValueError, match="equal lengths, got 2 and 3"):
+        rp.paired([1.0, 0.0], [0.0, 0.0, 1.0])
     assert rp.fmt([0.5]) == "0.500"
     assert rp.fmt([0.5, 0.7]) == "0.600 ± 0.141"
     assert rp.fmt([0.9, 1.0], pct=True) == "95.0% ± 7.1"

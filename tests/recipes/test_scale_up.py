@@ -155,8 +155,10 @@ def test_tiny_presets_plans_unchanged():
     """The optional teacher cold start adds nothing unless c.teacher_sft is set."""
     k = recipe_module("kimi_k3").build(_load("kimi_k3", "reduced"), 0)
     assert [(s.name, s.init_from) for s in k] == [
-        ("sft", None), ("sft_general_max", "sft"), ("rl_general_max", "sft_general_max"), ("rl_general_high", "rl_general_max"),
-        ("rl_general_low", "rl_general_high"), ("student", "sft"), ("merge", "sft")]
+        ("sft", None), ("rl_agent_max", "sft"), ("rl_agent_high", "rl_agent_max"),
+        ("rl_agent_low", "rl_agent_high"), ("rl_general_max", "sft"),
+        ("rl_general_high", "rl_general_max"), ("rl_general_low", "rl_general_high"),
+        ("student", "sft"), ("merge", "sft")]
     d = recipe_module("deepseek_v4").build(_load("deepseek_v4", "reduced"), 0)
     assert [(s.name, s.init_from) for s in d] == [
         ("sft", None), ("sft_agent", "sft"), ("spec_agent", "sft_agent"), ("sft_code", "sft"),

@@ -81,4 +81,4 @@ def test_iteration_profile_writes_its_table(tmp_path):
                            "--max-turns", "1", "--iterations", "2", "--out", str(out)])
     text = out.read_text()
     assert "# load average before" in text and "# commit" in text
-    assert "| kimi_mopd (kimi_k3; 3 teachers) | 32 x 4 |" in text
+    assert "| kimi_mopd (kimi_k3; 6 teachers) | 32 x 4 |" in text
