@@ -25,9 +25,18 @@ from tests.trainers.test_sft import _final_params
 
 
 def _data_files(step_dir):
-    """The OCDBT data files of a step's train state (which hold which array is internal)."""
-    d = os.path.join(step_dir, "state", "ocdbt.process_0", "d")
-    return sorted(os.path.join(d, f) for f in os.listdir(d))
+    """The OCDBT data files of a step's train state (which hold which array is internal).
+
+    Orbax writes them under `ocdbt.process_0/d/` and, when it merges the per-process
+    databases at commit (timing-dependent), also under `state/d/`; the restore may read
+    either, so both are corrupted/listed."""
+    out = []
+    for d in (os.path.join(step_dir, "state", "ocdbt.process_0", "d"),
+              os.path.join(step_dir, "state", "d")):
+        if os.path.isdir(d):
+            out += [os.path.join(d, f) for f in os.listdir(d)]
+    assert out, f"no OCDBT data files under {step_dir}/state"
+    return sorted(out)
 
 
 def _flip_middle(path, n=16):
