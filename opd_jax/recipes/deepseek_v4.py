@@ -61,9 +61,17 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
 
 
 def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
+    """Evaluate every seed's models and write results.json, results.md and the curves.
+
+    Every model is evaluated greedily on the same held-out problems, so differences are
+    paired per problem (pooled over seeds); the claims are computed by `claims` from what
+    goes into results.json.
+    """
     import json
+    import time
 
     from opd_jax.recipes import report as rp
+    t0 = time.time()
     spec = _cells(c)
     cells = list(spec.values())
     names = [f"{d}/{e}" for d, _, e in cells]
@@ -72,7 +80,7 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
         sw = os.path.join(workdir, f"seed{seed}")
         ev = lambda stage, cs: rp.evaluate_stage(sw, stage, cs, c.eval, tokenizer=tokenizer,
                                                  difficulty=c.eval.difficulty)
-        r = {k: ev(k, cells) for k in ("sft", "student", "sampled_student", "merge")}
+        r = {k: ev(k, cells) for k in MODELS if k != "teacher"}
         r["teacher"] = {}
         for key, cell in spec.items():
             r["teacher"].update(ev(f"spec_{key}", [cell]))
@@ -81,44 +89,21 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
         r["curves"] = {n: {s: rp.curve(sw, s, f"heldout/{n}/reward")
                            for s in ("student", "sampled_student")} for n in names}
         per_seed.append(r)
-
-    def vals(kind, n):
-        return [r[kind][n]["reward"] for r in per_seed]
-
-    rows, out = [], {}
-    for key, n in zip(spec, names):
-        t, fv, st, mg = (vals(k, n) for k in ("teacher", "student", "sampled_student", "merge"))
-        ret = [rp.ratio(a, b) for a, b in zip(fv, t)]
-        sret = [rp.ratio(a, b) for a, b in zip(st, t)]
-        out[n] = {"specialist": key, "teacher": t, "full_vocab": fv, "sampled": st,
-                  "merge": mg, "sft": vals("sft", n), "retention": ret,
-                  "sampled_retention": sret}
-        rows.append([n, key, rp.fmt(vals("sft", n)), rp.fmt(t), rp.fmt(fv), rp.fmt(ret, True),
-                     rp.fmt(st), rp.fmt(sret, True), rp.fmt(mg)])
-    dense_wins = sum(np.mean(v["full_vocab"]) > np.mean(v["sampled"]) for v in out.values())
-    merge_wins = sum(np.mean(v["full_vocab"]) > np.mean(v["merge"]) for v in out.values())
-    mean_ret = rp.finite_mean([np.mean(v["retention"]) for v in out.values()])
-    cache = per_seed[0]["cache"]
-    results = {"recipe": "deepseek_v4", "seeds": list(seeds), "cells": out,
-               "teacher_cache": [r["cache"] for r in per_seed],
-               "summary": {"full_vocab_beats_sampled": int(dense_wins),
-                           "full_vocab_beats_merge": int(merge_wins),
-                           "mean_retention": mean_ret}}
+    out = {n: {"specialist": key} | {k: [{"reward": r[k][n]["reward"],
+                                           "rewards": r[k][n]["rewards"]} for r in per_seed]
+                                      for k in MODELS}
+           for key, n in zip(spec, names)}
+    stage_names = [s.name for s in build(c, seeds[0]) if s.kind != "merge"]
+    results = {"recipe": "deepseek_v4", "seeds": list(seeds),
+               "eval": {"difficulty": c.eval.difficulty, "n": c.eval.n, "seed": c.eval.seed},
+               "cells": out, "teacher_cache": [r["cache"] for r in per_seed],
+               "max_loaded": c.student.teachers.max_loaded,
+               "curves": [r["curves"] for r in per_seed]}
+    results["claims"] = claims(results)
+    results["provenance"] = (rp.provenance(workdir, seeds, stage_names)
+                             | {"eval_wall_s": round(time.time() - t0, 1)})
     rp.write_json(os.path.join(workdir, "results.json"), results)
-    md = [f"# deepseek_v4 results ({len(seeds)} seed(s): {list(seeds)})", "",
-          f"Held-out reward (greedy, n={c.eval.n} per cell, difficulty "
-          f"{c.eval.difficulty}); mean ± std over seeds. {len(spec)} specialists, teacher "
-          f"cache of {c.student.teachers.max_loaded}: {cache['loads']} loads, "
-          f"{cache['evictions']} evictions, {cache['hits']} hits (seed {seeds[0]}).", "",
-          rp.markdown_table(["cell", "specialist", "SFT", "teacher", "full-vocab OPD",
-                             "retention", "sampled-token OPD", "retention", "merged"], rows),
-          "", f"- full-vocabulary OPD beats sampled-token OPD (same rollouts and steps) on "
-              f"{dense_wins} of {len(out)} cells",
-          f"- full-vocabulary OPD beats the merged specialists on {merge_wins} of {len(out)} "
-          f"cells", f"- mean retention of full-vocabulary OPD: {mean_ret:.1%}", "",
-          "![curves](curves.png)", ""]
-    with open(os.path.join(workdir, "results.md"), "w", encoding="utf-8") as f:
-        f.write("\n".join(md))
+    write_markdown(os.path.join(workdir, "results.md"), results)
     s0 = per_seed[0]
     rp.plot_curves(os.path.join(workdir, "curves.png"), {
         n: [{"x": s0["curves"][n]["student"][0], "y": s0["curves"][n]["student"][1],
@@ -129,3 +114,82 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
             {"y": s0["merge"][n]["reward"], "label": "merged", "color": "r"}]
         for n in names}, title=f"deepseek_v4: held-out reward per cell (seed {seeds[0]})")
     return results
+
+
+# results.json's models per cell: the SFT start, the cell's specialist, the full-vocabulary
+# student, the sampled-token student (same rollouts and steps) and the merged specialists.
+MODELS = ("sft", "teacher", "student", "sampled_student", "merge")
+
+
+def _rewards(v: dict, k: str) -> list[float]:
+    return [r["reward"] for r in v[k]]
+
+
+def _pooled(v: dict, k: str) -> list[float]:
+    return [x for r in v[k] for x in r["rewards"]]
+
+
+def _retention(v: dict, k: str) -> list[float]:
+    from opd_jax.recipes import report as rp
+    return [rp.ratio(a, b) for a, b in zip(_rewards(v, k), _rewards(v, "teacher"))]
+
+
+def claims(results: dict) -> list[dict]:
+    """The recipe's claims, from a results.json dict alone."""
+    from opd_jax.recipes import report as rp
+    cells = results["cells"]
+    n = len(cells)
+    gain = {k: rp.paired(_pooled(v, "teacher"), _pooled(v, "sft")) for k, v in cells.items()}
+    ret = {k: rp.finite_mean(_retention(v, "student")) for k, v in cells.items()}
+    worst = min(ret, key=ret.get)
+    vs_merge = {k: rp.paired(_pooled(v, "student"), _pooled(v, "merge")) for k, v in cells.items()}
+    vs_sampled = {k: rp.paired(_pooled(v, "student"), _pooled(v, "sampled_student"))
+                  for k, v in cells.items()}
+
+    def listed(ps: dict) -> str:
+        return ", ".join(f"{k} {p['diff']:+.3f} (se {p['se']:.3f})" for k, p in ps.items())
+    return [
+        {"claim": "each specialist beats the SFT start on its cell beyond 2 standard errors "
+                  "(paired over the same held-out problems, pooled over seeds)",
+         "pass": all(p["diff"] > 2 * p["se"] for p in gain.values()), "measured": listed(gain)},
+        {"claim": "the full-vocabulary student keeps >= 95% of every specialist's reward",
+         "pass": ret[worst] >= 0.95,
+         "measured": f"mean {rp.finite_mean(list(ret.values())):.1%}, worst {worst} "
+                     f"{ret[worst]:.1%}"},
+        {"claim": f"the full-vocabulary student beats the merged specialists on every cell "
+                  f"({n} of {n})",
+         "pass": all(p["diff"] > 0 for p in vs_merge.values()), "measured": listed(vs_merge)},
+        {"claim": "the full-vocabulary student beats the sampled-token one (same rollouts and "
+                  f"optimizer steps) on most cells (> {n // 2} of {n})",
+         "pass": sum(p["diff"] > 0 for p in vs_sampled.values()) > n // 2,
+         "measured": listed(vs_sampled)},
+    ]
+
+
+def write_markdown(path: str, results: dict) -> None:
+    """results.md from a results.json dict (so the committed table can be regenerated)."""
+    from opd_jax.recipes import report as rp
+    seeds, meta, ev, cells = (results["seeds"], results["provenance"], results["eval"],
+                              results["cells"])
+    rows = [[n, v["specialist"], rp.fmt(_rewards(v, "sft")), rp.fmt(_rewards(v, "teacher")),
+             rp.fmt(_rewards(v, "student")), rp.fmt(_retention(v, "student"), True),
+             rp.fmt(_rewards(v, "sampled_student")), rp.fmt(_retention(v, "sampled_student"), True),
+             rp.fmt(_rewards(v, "merge"))] for n, v in cells.items()]
+    cache = results["teacher_cache"][0]
+    md = [f"# deepseek_v4 results ({len(seeds)} seed(s): {list(seeds)})", "",
+          f"Command `{meta['command']}`; commit {meta['commit']}; stages "
+          f"{meta['stages_wall_s']:.0f} s + evaluation {meta['eval_wall_s']:.0f} s of wall "
+          f"time (summed over seeds).", "",
+          f"Held-out reward (eval split, greedy, n={ev['n']} per cell and seed, difficulty "
+          f"{ev['difficulty']}); mean ± std over seeds. Retention = student / specialist "
+          f"reward on the specialist's cell. {len(cells)} specialists, teacher cache of "
+          f"{results['max_loaded']}: {cache['loads']} loads, {cache['evictions']} evictions, "
+          f"{cache['hits']} hits (seed {seeds[0]}).", "",
+          rp.markdown_table(["cell", "specialist", "SFT", "teacher", "full-vocab OPD",
+                             "retention", "sampled-token OPD", "retention", "merged"], rows),
+          "", "## Claims", ""]
+    md += [f"- **{'PASS' if cl['pass'] else 'FAIL'}** {cl['claim']}: {cl['measured']}"
+           for cl in results["claims"]]
+    md += ["", "![curves](curves.png)", ""]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(md))

@@ -79,71 +79,143 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
 
 
 def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
+    """Evaluate every seed's stage line and write results.json, results.md and the plot.
+
+    Every model is evaluated greedily on the same held-out problems, so stage-to-stage
+    differences are paired per problem (pooled over a domain's thinking modes and the
+    seeds); the claims are computed by `claims` from what goes into results.json.
+    """
+    import time
+
     from opd_jax.recipes import report as rp
+    t0 = time.time()
     domains = dict(c.domains)
     cells = [(d, fam, m) for d, fam in domains.items() for m in domain_modes(c, d)]
     names = [f"{d}/{m}" for d, _, m in cells]
     rl_stages = [n for n, _ in c.stages]
     line = ["sft", *rl_stages, "student", "merge"]
-    last = rl_stages[-1]
     per_seed = []
     for seed in seeds:
         sw = os.path.join(workdir, f"seed{seed}")
         per_seed.append({s: rp.evaluate_stage(sw, s, cells, c.eval, tokenizer=tokenizer,
                                               difficulty=c.eval.difficulty) for s in line})
-
-    def dom(seed_r, stage, d):        # a domain's reward: mean over its thinking modes
-        return float(np.mean([seed_r[stage][f"{d}/{m}"]["reward"]
-                              for m in domain_modes(c, d)]))
-
-    table, forget, recover, keep = [], {}, {}, {}
-    for d in domains:
-        peak_stage = c.stage_teachers[d]
-        f_ = [dom(r, peak_stage, d) - dom(r, last, d) for r in per_seed]
-        rec = [dom(r, "student", d) - dom(r, last, d) for r in per_seed]
-        forget[d], recover[d] = f_, rec
-        keep[d] = [rp.ratio(dom(r, "student", d), dom(r, last, d)) for r in per_seed]
-        table.append([d] + [rp.fmt([dom(r, s, d) for r in per_seed]) for s in line] +
-                     [rp.fmt(f_), rp.fmt(rec)])
-    mode_rows = [[n] + [rp.fmt([r[s][n]["reward"] for r in per_seed]) for s in line]
-                 for n in names]
-    forgot = [d for d in domains if np.mean(forget[d]) > 0.02]
-    rec_frac = {d: float(np.mean(recover[d]) / np.mean(forget[d])) for d in forgot}
-    last_domains = list(dict(c.stages)[last])
-    keep_last = {d: float(np.mean(keep[d])) for d in last_domains}
-    claims = [
-        {"claim": "cross-stage OPD recovers >= 90% of what later stages made the model forget",
-         "pass": bool(forgot) and all(v >= 0.9 for v in rec_frac.values()),
-         "measured": ", ".join(f"{d}: {v:.0%}" for d, v in rec_frac.items()) or
-                     "no domain lost more than 0.02 reward (nothing to recover)"},
-        {"claim": f"while keeping >= 95% of the last stage ({last})'s skill",
-         "pass": all(v >= 0.95 for v in keep_last.values()),
-         "measured": ", ".join(f"{d}: {v:.1%}" for d, v in keep_last.items())},
-    ]
-    results = {"recipe": "glm", "seeds": list(seeds), "stages": line,
-               "per_seed": per_seed, "forgetting": forget, "recovery": recover,
-               "claims": claims}
+    stage_names = [s.name for s in build(c, seeds[0]) if s.kind != "merge"]
+    results = {
+        "recipe": "glm", "seeds": list(seeds), "stages": line,
+        "stage_domains": {n: list(ds) for n, ds in c.stages},
+        "stage_teachers": dict(c.stage_teachers),
+        "modes": {d: list(domain_modes(c, d)) for d in domains},
+        "eval": {"difficulty": c.eval.difficulty, "n": c.eval.n, "seed": c.eval.seed},
+        # cell -> stage -> per-seed {"reward", "rewards" (per problem)}
+        "cells": {n: {s: [{"reward": r[s][n]["reward"], "rewards": r[s][n]["rewards"]}
+                          for r in per_seed] for s in line} for n in names}}
+    results["claims"] = claims(results)
+    results["provenance"] = (rp.provenance(workdir, seeds, stage_names)
+                             | {"eval_wall_s": round(time.time() - t0, 1)})
     rp.write_json(os.path.join(workdir, "results.json"), results)
-    per_turn = [d for d in domains if PER_TURN in domain_modes(c, d)]
+    write_markdown(os.path.join(workdir, "results.md"), results)
+    points = line[:-1]
+    plot_seed_lines(os.path.join(workdir, "stages.png"), [s.replace("_", " ") for s in points],
+                    {d: [[_domain(results, s, d)[k] for s in points]
+                         for k in range(len(seeds))] for d in domains},
+                    title="glm: forgetting across RL stages, recovery by cross-stage OPD")
+    return results
+
+
+def _domain(results: dict, stage: str, d: str) -> list[float]:
+    """A domain's reward after `stage`, per seed: the mean over its thinking modes."""
+    modes = results["modes"][d]
+    return [float(np.mean([results["cells"][f"{d}/{m}"][stage][k]["reward"] for m in modes]))
+            for k in range(len(results["seeds"]))]
+
+
+def _pooled(results: dict, stage: str, d: str) -> list[float]:
+    """Per-problem rewards of a domain after `stage`, every mode and seed in one order."""
+    return [x for m in results["modes"][d] for r in results["cells"][f"{d}/{m}"][stage]
+            for x in r["rewards"]]
+
+
+def _paired(results: dict, a: str, b: str, d: str) -> dict:
+    """Stage a - stage b on domain d, paired per problem."""
+    from opd_jax.recipes import report as rp
+    return rp.paired(_pooled(results, a, d), _pooled(results, b, d))
+
+
+def claims(results: dict) -> list[dict]:
+    """The recipe's claims, from a results.json dict alone (paired over the same problems)."""
+    from opd_jax.recipes import report as rp
+    rl = [s for s in results["stages"] if s not in ("sft", "student", "merge")]
+    last = rl[-1]
+    line = ["sft", *rl]
+    learned = {}                   # each stage on its own domains vs the model it started from
+    for i, s in enumerate(rl):
+        for d in results["stage_domains"][s]:
+            learned[f"{s}: {d}"] = _paired(results, s, line[i], d)
+    forgot = {d: _paired(results, t, last, d) for d, t in results["stage_teachers"].items()
+              if t != last}
+    lost = [d for d, p in forgot.items() if p["diff"] > 2 * p["se"]]
+    rec = {d: _paired(results, "student", last, d)["diff"] / forgot[d]["diff"] for d in lost}
+    keep = {d: rp.ratio(np.mean(_domain(results, "student", d)),
+                        np.mean(_domain(results, last, d)))
+            for d in results["stage_domains"][last]}
+
+    def beyond(ps: dict) -> str:
+        return ", ".join(f"{k} {p['diff']:+.3f} (se {p['se']:.3f})" for k, p in ps.items())
+    return [
+        {"claim": "each RL stage learns its own domains: above the model it started from "
+                  "beyond 2 standard errors",
+         "pass": all(p["diff"] > 2 * p["se"] for p in learned.values()),
+         "measured": beyond(learned)},
+        {"claim": f"later stages make the model forget: the last stage ({last}) is below each "
+                  "earlier domain's teacher stage beyond 2 standard errors",
+         "pass": bool(forgot) and len(lost) == len(forgot),
+         "measured": beyond(forgot) or "no domain has an earlier teacher stage"},
+        {"claim": "cross-stage OPD recovers >= 90% of what later stages made the model forget",
+         "pass": bool(lost) and all(v >= 0.9 for v in rec.values()),
+         "measured": ", ".join(f"{d}: {v:.0%}" for d, v in rec.items()) or
+                     "no domain was forgotten beyond 2 standard errors (nothing to recover)"},
+        {"claim": f"while keeping >= 95% of the last stage ({last})'s skill",
+         "pass": all(v >= 0.95 for v in keep.values()),
+         "measured": ", ".join(f"{d}: {v:.1%}" for d, v in keep.items())},
+    ]
+
+
+def write_markdown(path: str, results: dict) -> None:
+    """results.md from a results.json dict (so the committed table can be regenerated)."""
+    from opd_jax.recipes import report as rp
+    line, seeds, meta, ev = (results["stages"], results["seeds"], results["provenance"],
+                             results["eval"])
+    rl = [s for s in line if s not in ("sft", "student", "merge")]
+    last = rl[-1]
+    table = []
+    for d, t in results["stage_teachers"].items():
+        f_ = [a - b for a, b in zip(_domain(results, t, d), _domain(results, last, d))]
+        rec = [a - b for a, b in zip(_domain(results, "student", d), _domain(results, last, d))]
+        table.append([d] + [rp.fmt(_domain(results, s, d)) for s in line] +
+                     [rp.fmt(f_), rp.fmt(rec)])
+    mode_rows = [[n] + [rp.fmt([r["reward"] for r in v[s]]) for s in line]
+                 for n, v in results["cells"].items()]
+    per_turn = [d for d, ms in results["modes"].items() if PER_TURN in ms]
     md = [f"# glm results ({len(seeds)} seed(s): {list(seeds)})", "",
-          f"Held-out reward per domain (mean over its thinking modes: on, off"
-          + (f", and per-turn mixed on {', '.join(per_turn)}" if per_turn else "")
-          + f"; greedy, n={c.eval.n} per cell, difficulty {c.eval.difficulty}) after every "
-          f"stage; mean ± std over seeds. Forgotten = teacher stage - {last}; recovered = "
-          f"student - {last}.", "",
+          f"Command `{meta['command']}`; commit {meta['commit']}; stages "
+          f"{meta['stages_wall_s']:.0f} s + evaluation {meta['eval_wall_s']:.0f} s of wall "
+          f"time (summed over seeds).", "",
+          f"Held-out reward per domain (eval split, greedy, n={ev['n']} per cell and seed, "
+          f"difficulty {ev['difficulty']}; a domain's reward is the mean over its thinking "
+          f"modes: on, off" + (f", and per-turn mixed on {', '.join(per_turn)}" if per_turn
+                               else "")
+          + f") after every stage; mean ± std over seeds. Forgotten = teacher stage - {last}; "
+          f"recovered = student - {last}.", "",
           rp.markdown_table(["domain", *line, "forgotten", "recovered"], table), "",
           "Per thinking mode (think_on / think_off: one mode per prompt; think_mixed: the "
           "mode switched per assistant turn by the task's schedule, a turn that disobeys "
           "its mode scores the episode 0):", "",
           rp.markdown_table(["cell", *line], mode_rows), "",
-          "## Claims", ""]
+          "## Claims", "",
+          "Paired over the same held-out problems, pooled over a domain's modes and the "
+          "seeds.", ""]
     md += [f"- **{'PASS' if cl['pass'] else 'FAIL'}** {cl['claim']}: {cl['measured']}"
-           for cl in claims]
+           for cl in results["claims"]]
     md += ["", "![stages](stages.png)", ""]
-    with open(os.path.join(workdir, "results.md"), "w", encoding="utf-8") as f:
+    with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(md))
-    points = line[:-1]
-    plot_seed_lines(os.path.join(workdir, "stages.png"), [s.replace("_", " ") for s in points],
-                    {d: [[dom(r, s, d) for s in points] for r in per_seed] for d in domains},
-                    title="glm: forgetting across RL stages, recovery by cross-stage OPD")
-    return results

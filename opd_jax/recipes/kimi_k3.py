@@ -196,11 +196,11 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
             "student_minus_merge": rp.paired(pooled("student", cell), pooled("merge", cell)),
             "plain": vals("plain", cell) if c.effort_schedule == "both" else [],
             "opd_steps": opd, "rl_steps": rl}
-    claims = _claims(c, out_cells, domains, efforts)
+    measured = claims(c, out_cells, domains, efforts)
     meta = rp.provenance(workdir, seeds, stage_names) | {"eval_wall_s": round(time.time() - t0, 1)}
     results = {"recipe": "kimi_k3", "seeds": list(seeds), "provenance": meta,
                "eval": {"difficulty": diff, "n": ev.n, "seed": ev.seed}, "cells": out_cells,
-               "claims": claims}
+               "claims": measured}
     rp.write_json(os.path.join(workdir, "results.json"), results)
     write_markdown(os.path.join(workdir, "results.md"), results)
     s0 = per_seed[0]
@@ -257,7 +257,7 @@ def write_markdown(path: str, results: dict) -> None:
         f.write("\n".join(md))
 
 
-def _claims(c, cells: dict, domains: dict, efforts) -> list[dict]:
+def claims(c, cells: dict, domains: dict, efforts) -> list[dict]:
     import numpy as np
     ret = {k: float(np.mean(v["retention"])) for k, v in cells.items()}
     mean_ret = float(np.mean(list(ret.values())))
