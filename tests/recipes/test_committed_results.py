@@ -11,7 +11,7 @@ from opd_jax.recipes import recipe_module
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("recipe", ["kimi_k3"])
+@pytest.mark.parametrize("recipe", ["kimi_k3", "glm"])
 def test_results_md_is_regenerated_from_results_json(recipe, tmp_path):
     folder = os.path.join(ROOT, "experiments", recipe, "results")
     with open(os.path.join(folder, "results.json"), encoding="utf-8") as f:
