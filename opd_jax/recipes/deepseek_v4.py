@@ -60,6 +60,11 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
     return stages
 
 
+# results.json's models per cell: the SFT start, the cell's specialist, the full-vocabulary
+# student, the sampled-token student (same rollouts and steps) and the merged specialists.
+MODELS = ("sft", "teacher", "student", "sampled_student", "merge")
+
+
 def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
     """Evaluate every seed's models and write results.json, results.md and the curves.
 
@@ -95,7 +100,7 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
            for key, n in zip(spec, names)}
     stage_names = [s.name for s in build(c, seeds[0]) if s.kind != "merge"]
     results = {"recipe": "deepseek_v4", "seeds": list(seeds),
-               "eval": {"difficulty": c.eval.difficulty, "n": c.eval.n, "seed": c.eval.seed},
+               "eval": rp.eval_meta(c.eval),
                "cells": out, "teacher_cache": [r["cache"] for r in per_seed],
                "max_loaded": c.student.teachers.max_loaded,
                "curves": [r["curves"] for r in per_seed]}
@@ -114,11 +119,6 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
             {"y": s0["merge"][n]["reward"], "label": "merged", "color": "r"}]
         for n in names}, title=f"deepseek_v4: held-out reward per cell (seed {seeds[0]})")
     return results
-
-
-# results.json's models per cell: the SFT start, the cell's specialist, the full-vocabulary
-# student, the sampled-token student (same rollouts and steps) and the merged specialists.
-MODELS = ("sft", "teacher", "student", "sampled_student", "merge")
 
 
 def _rewards(v: dict, k: str) -> list[float]:
@@ -145,24 +145,23 @@ def claims(results: dict) -> list[dict]:
     vs_merge = {k: rp.paired(_pooled(v, "student"), _pooled(v, "merge")) for k, v in cells.items()}
     vs_sampled = {k: rp.paired(_pooled(v, "student"), _pooled(v, "sampled_student"))
                   for k, v in cells.items()}
-
-    def listed(ps: dict) -> str:
-        return ", ".join(f"{k} {p['diff']:+.3f} (se {p['se']:.3f})" for k, p in ps.items())
     return [
         {"claim": "each specialist beats the SFT start on its cell beyond 2 standard errors "
                   "(paired over the same held-out problems, pooled over seeds)",
-         "pass": all(p["diff"] > 2 * p["se"] for p in gain.values()), "measured": listed(gain)},
+         "pass": all(p["diff"] > 2 * p["se"] for p in gain.values()),
+         "measured": rp.paired_list(gain)},
         {"claim": "the full-vocabulary student keeps >= 95% of every specialist's reward",
          "pass": ret[worst] >= 0.95,
          "measured": f"mean {rp.finite_mean(list(ret.values())):.1%}, worst {worst} "
                      f"{ret[worst]:.1%}"},
         {"claim": f"the full-vocabulary student beats the merged specialists on every cell "
                   f"({n} of {n})",
-         "pass": all(p["diff"] > 0 for p in vs_merge.values()), "measured": listed(vs_merge)},
+         "pass": all(p["diff"] > 0 for p in vs_merge.values()),
+         "measured": rp.paired_list(vs_merge)},
         {"claim": "the full-vocabulary student beats the sampled-token one (same rollouts and "
                   f"optimizer steps) on most cells (> {n // 2} of {n})",
          "pass": sum(p["diff"] > 0 for p in vs_sampled.values()) > n // 2,
-         "measured": listed(vs_sampled)},
+         "measured": rp.paired_list(vs_sampled)},
     ]
 
 
@@ -177,9 +176,7 @@ def write_markdown(path: str, results: dict) -> None:
              rp.fmt(_rewards(v, "merge"))] for n, v in cells.items()]
     cache = results["teacher_cache"][0]
     md = [f"# deepseek_v4 results ({len(seeds)} seed(s): {list(seeds)})", "",
-          f"Command `{meta['command']}`; commit {meta['commit']}; stages "
-          f"{meta['stages_wall_s']:.0f} s + evaluation {meta['eval_wall_s']:.0f} s of wall "
-          f"time (summed over seeds).", "",
+          rp.provenance_line(meta), "",
           f"Held-out reward (eval split, greedy, n={ev['n']} per cell and seed, difficulty "
           f"{ev['difficulty']}); mean ± std over seeds. Retention = student / specialist "
           f"reward on the specialist's cell. {len(cells)} specialists, teacher cache of "
@@ -188,8 +185,7 @@ def write_markdown(path: str, results: dict) -> None:
           rp.markdown_table(["cell", "specialist", "SFT", "teacher", "full-vocab OPD",
                              "retention", "sampled-token OPD", "retention", "merged"], rows),
           "", "## Claims", ""]
-    md += [f"- **{'PASS' if cl['pass'] else 'FAIL'}** {cl['claim']}: {cl['measured']}"
-           for cl in results["claims"]]
+    md += rp.claim_lines(results["claims"])
     md += ["", "![curves](curves.png)", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(md))

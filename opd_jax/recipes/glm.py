@@ -105,7 +105,7 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
         "stage_domains": {n: list(ds) for n, ds in c.stages},
         "stage_teachers": dict(c.stage_teachers),
         "modes": {d: list(domain_modes(c, d)) for d in domains},
-        "eval": {"difficulty": c.eval.difficulty, "n": c.eval.n, "seed": c.eval.seed},
+        "eval": rp.eval_meta(c.eval),
         # cell -> stage -> per-seed {"reward", "rewards" (per problem)}
         "cells": {n: {s: [{"reward": r[s][n]["reward"], "rewards": r[s][n]["rewards"]}
                           for r in per_seed] for s in line} for n in names}}
@@ -141,10 +141,15 @@ def _paired(results: dict, a: str, b: str, d: str) -> dict:
     return rp.paired(_pooled(results, a, d), _pooled(results, b, d))
 
 
+def _rl_stages(results: dict) -> list[str]:
+    """The RL stages of results.json's stage line, in order."""
+    return [s for s in results["stages"] if s not in ("sft", "student", "merge")]
+
+
 def claims(results: dict) -> list[dict]:
     """The recipe's claims, from a results.json dict alone (paired over the same problems)."""
     from opd_jax.recipes import report as rp
-    rl = [s for s in results["stages"] if s not in ("sft", "student", "merge")]
+    rl = _rl_stages(results)
     last = rl[-1]
     line = ["sft", *rl]
     learned = {}                   # each stage on its own domains vs the model it started from
@@ -158,18 +163,15 @@ def claims(results: dict) -> list[dict]:
     keep = {d: rp.ratio(np.mean(_domain(results, "student", d)),
                         np.mean(_domain(results, last, d)))
             for d in results["stage_domains"][last]}
-
-    def beyond(ps: dict) -> str:
-        return ", ".join(f"{k} {p['diff']:+.3f} (se {p['se']:.3f})" for k, p in ps.items())
     return [
         {"claim": "each RL stage learns its own domains: above the model it started from "
                   "beyond 2 standard errors",
          "pass": all(p["diff"] > 2 * p["se"] for p in learned.values()),
-         "measured": beyond(learned)},
+         "measured": rp.paired_list(learned)},
         {"claim": f"later stages make the model forget: the last stage ({last}) is below each "
                   "earlier domain's teacher stage beyond 2 standard errors",
          "pass": bool(forgot) and len(lost) == len(forgot),
-         "measured": beyond(forgot) or "no domain has an earlier teacher stage"},
+         "measured": rp.paired_list(forgot) or "no domain has an earlier teacher stage"},
         {"claim": "cross-stage OPD recovers >= 90% of what later stages made the model forget",
          "pass": bool(lost) and all(v >= 0.9 for v in rec.values()),
          "measured": ", ".join(f"{d}: {v:.0%}" for d, v in rec.items()) or
@@ -185,8 +187,7 @@ def write_markdown(path: str, results: dict) -> None:
     from opd_jax.recipes import report as rp
     line, seeds, meta, ev = (results["stages"], results["seeds"], results["provenance"],
                              results["eval"])
-    rl = [s for s in line if s not in ("sft", "student", "merge")]
-    last = rl[-1]
+    last = _rl_stages(results)[-1]
     table = []
     for d, t in results["stage_teachers"].items():
         f_ = [a - b for a, b in zip(_domain(results, t, d), _domain(results, last, d))]
@@ -197,9 +198,7 @@ def write_markdown(path: str, results: dict) -> None:
                  for n, v in results["cells"].items()]
     per_turn = [d for d, ms in results["modes"].items() if PER_TURN in ms]
     md = [f"# glm results ({len(seeds)} seed(s): {list(seeds)})", "",
-          f"Command `{meta['command']}`; commit {meta['commit']}; stages "
-          f"{meta['stages_wall_s']:.0f} s + evaluation {meta['eval_wall_s']:.0f} s of wall "
-          f"time (summed over seeds).", "",
+          rp.provenance_line(meta), "",
           f"Held-out reward per domain (eval split, greedy, n={ev['n']} per cell and seed, "
           f"difficulty {ev['difficulty']}; a domain's reward is the mean over its thinking "
           f"modes: on, off" + (f", and per-turn mixed on {', '.join(per_turn)}" if per_turn
@@ -214,8 +213,7 @@ def write_markdown(path: str, results: dict) -> None:
           "## Claims", "",
           "Paired over the same held-out problems, pooled over a domain's modes and the "
           "seeds.", ""]
-    md += [f"- **{'PASS' if cl['pass'] else 'FAIL'}** {cl['claim']}: {cl['measured']}"
-           for cl in results["claims"]]
+    md += rp.claim_lines(results["claims"])
     md += ["", "![stages](stages.png)", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(md))

@@ -199,7 +199,7 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
     measured = claims(c, out_cells, domains, efforts)
     meta = rp.provenance(workdir, seeds, stage_names) | {"eval_wall_s": round(time.time() - t0, 1)}
     results = {"recipe": "kimi_k3", "seeds": list(seeds), "provenance": meta,
-               "eval": {"difficulty": diff, "n": ev.n, "seed": ev.seed}, "cells": out_cells,
+               "eval": rp.eval_meta(ev), "cells": out_cells,
                "claims": measured}
     rp.write_json(os.path.join(workdir, "results.json"), results)
     write_markdown(os.path.join(workdir, "results.md"), results)
@@ -244,14 +244,12 @@ def write_markdown(path: str, results: dict) -> None:
                      "/".join("-" if o is None else str(o) for o in v["opd_steps"])
                      + f" vs {v['rl_steps'][0]}"])
     md = [f"# kimi_k3 results ({len(seeds)} seed(s): {list(seeds)})", "",
-          f"Command `{meta['command']}`; commit {meta['commit']}; stages {meta['stages_wall_s']:.0f} s"
-          f" + evaluation {meta['eval_wall_s']:.0f} s of wall time (summed over seeds).", "",
+          rp.provenance_line(meta), "",
           f"Held-out reward (eval split, greedy, n={ev['n']} per cell and seed, difficulty "
           f"{ev['difficulty']}); mean ± std over seeds. Retention = student / teacher reward "
           f"on the teacher's cell. teacher - SFT: paired over the same problems, pooled over "
           f"seeds.", "", rp.markdown_table(header, rows), "", "## Claims", ""]
-    md += [f"- **{'PASS' if cl['pass'] else 'FAIL'}** {cl['claim']}: {cl['measured']}"
-           for cl in results["claims"]]
+    md += rp.claim_lines(results["claims"])
     md += ["", "![curves](curves.png)", "", "![retention](retention.png)", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(md))

@@ -109,6 +109,29 @@ def provenance(workdir: str, seeds: Sequence[int], stage_names: Sequence[str]) -
     return meta | {"stages_wall_s": round(float(wall), 1)}
 
 
+def provenance_line(meta: dict) -> str:
+    """The results.md line of a `provenance` dict (with the report's ``eval_wall_s``)."""
+    return (f"Command `{meta['command']}`; commit {meta['commit']}; stages "
+            f"{meta['stages_wall_s']:.0f} s + evaluation {meta['eval_wall_s']:.0f} s of wall "
+            f"time (summed over seeds).")
+
+
+def eval_meta(ev) -> dict:
+    """What results.json records of an evaluation config: difficulty, problems per cell, seed."""
+    return {"difficulty": ev.difficulty, "n": ev.n, "seed": ev.seed}
+
+
+def paired_list(ps: dict) -> str:
+    """"name +0.123 (se 0.045), ..." of `paired` results by name."""
+    return ", ".join(f"{k} {p['diff']:+.3f} (se {p['se']:.3f})" for k, p in ps.items())
+
+
+def claim_lines(claims: Sequence[dict]) -> list[str]:
+    """results.md's "- **PASS** claim: measured" lines."""
+    return [f"- **{'PASS' if cl['pass'] else 'FAIL'}** {cl['claim']}: {cl['measured']}"
+            for cl in claims]
+
+
 def write_json(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:

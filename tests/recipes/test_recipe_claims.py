@@ -19,12 +19,11 @@ def _glm(levels: dict) -> dict:
     stages = ["sft", "reasoning_rl", "agentic_rl", "student", "merge"]
     cells = {f"{d}/{m}": {s: [_r(levels[s][d], k) for k in (0, 1)] for s in stages}
              for d in ("general", "agent") for m in ("think_on", "think_off")}
-    res = {"recipe": "glm", "seeds": [0, 1], "stages": stages,
-           "stage_domains": {"reasoning_rl": ["general"], "agentic_rl": ["agent"]},
-           "stage_teachers": {"general": "reasoning_rl", "agent": "agentic_rl"},
-           "modes": {"general": ["think_on", "think_off"], "agent": ["think_on", "think_off"]},
-           "cells": cells}
-    return res
+    return {"recipe": "glm", "seeds": [0, 1], "stages": stages,
+            "stage_domains": {"reasoning_rl": ["general"], "agentic_rl": ["agent"]},
+            "stage_teachers": {"general": "reasoning_rl", "agent": "agentic_rl"},
+            "modes": {"general": ["think_on", "think_off"], "agent": ["think_on", "think_off"]},
+            "cells": cells}
 
 
 def test_glm_claims_follow_the_stage_line():
