@@ -210,7 +210,8 @@ def summarize(models: dict, run: str, row: str | None = None) -> dict:
                   "paired_diff": float(d.mean()),
                   "paired_se": float(d.std(ddof=1) / np.sqrt(len(d))),
                   # per task, for paired comparisons between rows (`report_md`)
-                  "after_rewards": [float(x) for x in after[c]]}
+                  "after_rewards": [float(x) for x in after[c]],
+                  "curve": [[int(s), float(v)] for s, v in curve]}
     # On-policy (temperature-1) reward of the first and last 5 iterations; the standard error
     # of their difference from the spread between iterations.
     first = np.asarray([m["reward/mean"] for m in history[:5]])
@@ -278,6 +279,14 @@ def report_md(results: dict) -> str:
             f"{'-' if g['teacher'] is None else format(g['teacher'], '.3f')} | {lvl(g)} | "
             f"{at(g, 90)} | {at(g, 95)} | "
             f"{c['after']:.3f} | {lvl(c)} | {r['wall_s'] / 60:.1f} min | {r['commit']} |")
+    speed = [row for row, r in results["rows"].items()
+             if r["settings"].get("teachers") or r["settings"].get("objective", row) == "grpo"]
+    if speed:
+        lines += ["", "Held-out general/high reward by iteration (teacher-level speed: the "
+                  "GRPO teacher's own curve, then each row distilling it):", ""]
+        for row in speed:
+            curve = results["rows"][row]["general/high"].get("curve", [])
+            lines.append(f"- {row}: " + ", ".join(f"{s}: {v:.3f}" for s, v in curve))
     t = results.get("teacher_reward", {})
     lines += ["", "Teachers: " + ", ".join(f"{k} {v:.3f}" for k, v in t.items())
               + " (the SFT specialists). Rows with `teachers` in their settings distill "
@@ -303,11 +312,17 @@ def main(argv=None) -> None:
     if a.report:
         with open(os.path.join(a.workdir, "learning_check.json"), encoding="utf-8") as f:
             results = json.load(f)
+        from opd_jax.trainers.metrics import read_metrics
         for row, r in results["rows"].items():     # rows measured before per-task rewards
             if "after_rewards" not in r["general/high"]:   # were kept: greedy, deterministic
                 after = rewards(os.path.join(a.workdir, row))
                 for c in CELLS:
                     r[c]["after_rewards"] = [float(x) for x in after[c]]
+            for c in CELLS:                   # ... or before the in-run curves were kept
+                if "curve" not in r[c]:
+                    r[c]["curve"] = [[int(m["step"]), float(m[f"heldout/{c}/reward"])]
+                                     for m in read_metrics(os.path.join(a.workdir, row))
+                                     if f"heldout/{c}/reward" in m]
         with open(os.path.join(a.workdir, "learning_check.json"), "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
         with open(os.path.join(a.workdir, "learning_check.md"), "w", encoding="utf-8") as f:

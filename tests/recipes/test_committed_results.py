@@ -11,9 +11,13 @@ from opd_jax.recipes import recipe_module
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("recipe", ["kimi_k3", "glm"])
-def test_results_md_is_regenerated_from_results_json(recipe, tmp_path):
-    folder = os.path.join(ROOT, "experiments", recipe, "results")
+# (recipe, results folder, preset, seeds): every committed results table
+COMMITTED = [("kimi_k3", "results", "reduced", [0, 1, 2]), ("glm", "results", "reduced", [0, 1, 2])]
+
+
+@pytest.mark.parametrize("recipe,where,preset,seeds", COMMITTED)
+def test_results_md_is_regenerated_from_results_json(recipe, where, preset, seeds, tmp_path):
+    folder = os.path.join(ROOT, "experiments", recipe, where)
     with open(os.path.join(folder, "results.json"), encoding="utf-8") as f:
         results = json.load(f)
     out = tmp_path / "results.md"
@@ -23,11 +27,11 @@ def test_results_md_is_regenerated_from_results_json(recipe, tmp_path):
         assert out.read_text() == f.read()
     # the claims in the JSON are the report's function of its cells
     if recipe == "kimi_k3":      # its claims also read the preset (efforts, teacher level)
-        c = load_config(os.path.join(folder, "..", "config.py:reduced"))
+        c = load_config(os.path.join(folder, "..", f"config.py:{preset}"))
         again = mod.claims(c, results["cells"], dict(c.domains), tuple(c.efforts))
     else:
         again = mod.claims(results)
     assert again == results["claims"]
     prov = results["provenance"]
     assert prov["commit"] != "unknown" and prov["stages_wall_s"] > 0
-    assert results["seeds"] == [0, 1, 2]
+    assert results["seeds"] == seeds
