@@ -139,9 +139,14 @@ seeds {', '.join(map(str, card['eval']['seeds']))}, {card['eval']['n']} problems
 
 
 def _commit() -> str:
+    """The short commit of the code a result was measured with; "-dirty" when the package
+    or the experiment configs differ from it (uncommitted changes that could move results)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
                               capture_output=True, text=True).stdout.strip()
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "opd_jax",
+                                "experiments/*/config.py"], cwd=REPO).returncode == 0
+        return head if clean else head + "-dirty"
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
