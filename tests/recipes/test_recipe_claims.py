@@ -1,4 +1,4 @@
-"""The glm and deepseek_v4 claims are functions of a results.json dict: synthetic per-problem
+"""The glm, deepseek_v4 and kimi_k3 claims are functions of their results: synthetic per-problem
 rewards in which each claim holds, then the change that makes it fail."""
 import copy
 
@@ -72,3 +72,50 @@ def test_deepseek_claims():
     bad["teacher"]["general/low"] = 0.2      # a specialist no better than SFT
     cl = ds.claims(_ds(bad))
     assert [c["pass"] for c in cl] == [False, False, False, False], cl
+
+
+def _kimi_cells(teacher_gain: float, student: float, merge: float, opd_steps):
+    """Six cells (2 domains x 3 efforts) with the reward ordered by effort; per cell, the
+    same numbers over two seeds."""
+    cells = {}
+    for d in ("general", "agent"):
+        for i, e in enumerate(("low", "high", "max")):
+            sft = 0.3 + 0.2 * i
+            t = sft + teacher_gain
+            cells[f"{d}/{e}"] = {
+                "sft": [sft, sft], "teacher": [t, t], "student": [student * t] * 2,
+                "merge": [merge * t] * 2, "retention": [student, student],
+                "merge_retention": [merge, merge],
+                "teacher_minus_sft": {"diff": teacher_gain, "se": 0.02},
+                "student_minus_merge": {"diff": (student - merge) * t, "se": 0.02},
+                "opd_steps": list(opd_steps), "rl_steps": [30, 30]}
+    return cells
+
+
+def test_kimi_claims_and_the_merge_reason():
+    import os
+
+    from opd_jax.config import load_config
+    kimi = recipe_module("kimi_k3")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    c = load_config(os.path.join(root, "experiments", "kimi_k3", "config.py:reduced"))
+    run = lambda cells: {x["claim"]: x for x in
+                         kimi.claims(c, cells, dict(c.domains), tuple(c.efforts))}
+    good = run(_kimi_cells(0.2, 0.97, 0.80, (4, 6)))
+    assert all(x["pass"] for x in good.values()), good
+    # the slower seed needs 8 steps: 8 * 5 > 30, so speed fails on every cell
+    slow = run(_kimi_cells(0.2, 0.97, 0.80, (4, 8)))
+    speed = next(x for k, x in slow.items() if k.startswith("OPD reaches"))
+    assert not speed["pass"] and speed["measured"].startswith("0 of 6 measurable")
+    # teachers level with their start: speed is not measurable, the merge wins, and the
+    # merge claim says why, with numbers computed from the cells
+    flat = run(_kimi_cells(0.0, 0.95, 1.02, (None, None)))
+    teacher = next(x for k, x in flat.items() if k.startswith("each teacher"))
+    merge = next(x for k, x in flat.items() if "merge" in k)
+    speed = next(x for k, x in flat.items() if k.startswith("OPD reaches"))
+    assert not teacher["pass"] and not merge["pass"] and not speed["pass"]
+    assert "6 of 6 not measurable" in speed["measured"]
+    assert merge["measured"].startswith("0 of 6; measured reason: the teachers beat the SFT "
+                                        "start on 0 of 6 cells (mean teacher - SFT +0.000)")
+    assert "mean retention 95.0%" in merge["measured"]
+    assert "(mean merge - SFT +0.010; 102.0% of the teachers' reward)" in merge["measured"]
