@@ -107,6 +107,9 @@ SETTINGS |= {
     "kimi_from_grpo160": _SPEED | dict(objective="kimi_mopd", teachers=dict(general="grpo160")),
     "full_vocab_from_grpo160": _SPEED | dict(objective="deepseek_full_vocab",
                                              teachers=dict(general="grpo160")),
+    # the lower-variance signal with the 3x larger step that made the Kimi signal diverge
+    "full_vocab_from_grpo160_lr1e3": _SPEED | dict(objective="deepseek_full_vocab", lr=1e-3,
+                                                   teachers=dict(general="grpo160")),
 }
 
 
