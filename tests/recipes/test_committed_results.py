@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # (recipe, results folder, preset, seeds): every committed results table
 COMMITTED = [("kimi_k3", "results", "reduced", [0, 1, 2]), ("glm", "results", "reduced", [0, 1, 2]),
              ("deepseek_v4", "results", "reduced", [0, 1, 2]),
-             ("kimi_k3", "results_full", "full", [0])]
+             ("kimi_k3", "results_full", "full", [0, 1, 2])]
 
 
 @pytest.mark.parametrize("recipe,where,preset,seeds", COMMITTED)
