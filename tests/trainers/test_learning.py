@@ -9,7 +9,9 @@ import pytest
 
 from opd_jax.recipes import learning_check as lc
 
-pytestmark = pytest.mark.slow
+# Every check here trains students for many CPU minutes; beside another worker CI's slow
+# tier ran out of its time with them, so the whole module is `long` (run with -m long).
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")
