@@ -1,10 +1,9 @@
-"""Learning, not just running (slow tier): GRPO raises its on-policy reward beyond noise, and
+"""Learning, not just running (long tier, `pytest -m long`): GRPO raises its on-policy reward beyond noise, and
 an OPD student (the shipped base, builtin:base) distilled from two specialists fine-tuned from
 it reaches 90% of each one's reward on its cell, for each objective (see
 opd_jax/recipes/learning_check.py for the setup and the settings).
 The sampled-token objectives need four times the rollouts of the full-vocabulary one (about
-30 CPU minutes each on 2 cores): they carry the `long` marker too, which CI leaves out
-(`pytest -m long` runs them; their settings were measured on an earlier random-init toy)."""
+30 CPU minutes each on 2 cores; their settings were measured on an earlier random-init toy)."""
 import pytest
 
 from opd_jax.recipes import learning_check as lc
@@ -36,7 +35,6 @@ def test_full_vocab_student_reaches_90pct_of_each_teacher(models):
     _reaches_90pct_of_each_teacher(models, "deepseek_full_vocab")
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("objective", ["kimi_mopd", "glm_cross_stage"])
 def test_sampled_token_student_reaches_90pct_of_each_teacher(models, objective):
     _reaches_90pct_of_each_teacher(models, objective)
