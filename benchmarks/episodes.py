@@ -5,7 +5,7 @@
 Plays the agent domain's testbed family (`tool_chain`, multi-turn tool lookups) at its
 evaluation difficulty with `builtin:base`, the testbed's sampling (224 new tokens a turn,
 up to 10 turns, temperature 1), B episodes per call. The baseline is
-`opd_jax/trainers/episodes.py` as it was at `--baseline-ref` (loaded from git, run
+`opd_jax/trainers/episodes.py` (the runner's earlier home) as it was at `--baseline-ref` (loaded from git, run
 against today's rollout engine): at dcf733e it re-prefilled each episode's whole context
 every turn through `generate`, with one batch of the live episodes per turn. Both run in
 the same process, alternating, `--repeats` times each after one warm-up call (compiles),
@@ -48,12 +48,12 @@ def main():
 
     from opd_jax import envs
     from opd_jax.models import synthetic_tokenizer
-    from opd_jax.recipes import testbed as tb
-    from opd_jax.teachers import TeacherSpec
-    from opd_jax.trainers import episodes as ours
+    from opd_jax import recipes as tb
+    from opd_jax.models import ModelRef
+    from opd_jax.episodes import runner as ours
 
     base = load_baseline(args.baseline_ref)
-    model = TeacherSpec("builtin:base").load()
+    model = ModelRef("builtin:base").load()
     tok = synthetic_tokenizer()
     domain = envs.get_family(args.family).domain
     tasks = list(envs.TaskSource(args.family, size=args.batch, seed=0, effort="high",

@@ -36,10 +36,10 @@ R_MAX = (5.0, 2.0, 1.0, 0.5, None)
 def main(argv=None) -> None:
     from opd_jax import envs
     from opd_jax.models import synthetic_tokenizer
-    from opd_jax.recipes import learning_check as lc
-    from opd_jax.teachers import TeacherSpec
-    from opd_jax.trainers.episodes import SamplingConfig, play
-    from opd_jax.trainers.sequences import build_sequences
+    from studies import learning_check as lc
+    from opd_jax.models import ModelRef
+    from opd_jax.episodes import SamplingConfig, play
+    from opd_jax.episodes.sequences import build_sequences
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True)
@@ -57,8 +57,8 @@ def main(argv=None) -> None:
             json.dump({k: v for k, v in models.items() if k != "student_rewards"}, f)
 
     tok = synthetic_tokenizer()
-    student = TeacherSpec(models["student"]).load()
-    teachers = {d: TeacherSpec(path).load() for d, path in models["teachers"].items()}
+    student = ModelRef(models["student"]).load()
+    teachers = {d: ModelRef(path).load() for d, path in models["teachers"].items()}
     tasks = [t for fam in lc.FAMILIES.values()
              for t in envs.TaskSource(fam, size=a.rollouts // len(lc.FAMILIES), seed=0,
                                       effort="high", difficulty=lc.DIFFICULTY)]

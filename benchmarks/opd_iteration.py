@@ -142,7 +142,7 @@ def stage_table(workdir: str) -> list[str]:
     if not dirs:
         raise FileNotFoundError(f"no */done.json or seed*/*/done.json under {workdir!r}: expected a "
                                 f"finished (or partly finished) `opd-jax experiment` workdir")
-    lines = [f"| stage | kind | iterations | wall s | share | compile s (XLA compiles) | "
+    lines = ["| stage | kind | iterations | wall s | share | compile s (XLA compiles) | "
              + " | ".join(f"{p} s" for p in (*PHASES, "eval")) + " |",
              "|---|---|---:|---:|---:|---:|" + "---:|" * (len(PHASES) + 1)]
     records = []

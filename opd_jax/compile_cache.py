@@ -32,7 +32,7 @@ def default_dir() -> str:
 def enable(path: str | None = None) -> str | None:
     """Turn the persistent compilation cache on; returns its directory, or None when it is
     off (the environment says so, or the directory cannot be created or written)."""
-    import jax
+    import jax   # lazy: start-up time (`opd-jax --help` and config errors never load jax)
     setting = os.environ.get(ENV, "")
     if setting.strip().lower() in OFF and path is None:
         return None

@@ -3,7 +3,10 @@
     cfg = load_config("configs/sft.py:tiny", overrides=["--config.optim.lr=3e-4"])
 
 * ``path.py`` or ``path.py:arg`` — the file's ``get_config(arg)`` (or ``get_config()``) is
-  called; ``arg`` picks a preset.
+  called; ``arg`` picks a preset. A path that exists is used as given (a user's config);
+  ``configs/NAME.py`` that does not exist relative to the current directory is the config
+  shipped in the package (``opd_jax/configs/NAME.py``, `PACKAGED_CONFIGS`), so the
+  documented commands work from any directory once the package is installed.
 * ``--config.a.b=value`` — overrides; the value is parsed as a Python literal (falling back to
   a string) and must match the type already there (ints widen to floats). Unknown keys are
   errors: configs are locked, so a typo cannot silently add a field. A dict literal
@@ -33,21 +36,38 @@ class ConfigError(ValueError):
     """A config file, preset or override is wrong; the message says which and why."""
 
 
+# The trainer configs shipped in the package (sft.py, grpo.py, opd.py, eval.py and their
+# shared sections, _sections.py): what ``configs/NAME.py`` names when no such file exists
+# relative to the current directory.
+PACKAGED_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+def resolve_config_path(path: str) -> str:
+    """The config file `path` names: `path` itself when it exists, else for
+    ``configs/NAME.py`` the packaged ``opd_jax/configs/NAME.py`` when that exists.
+
+    Raises ConfigError when neither does."""
+    if os.path.isfile(path):
+        return path
+    folder, name = os.path.split(os.path.normpath(path))
+    packaged = os.path.join(PACKAGED_CONFIGS, name)
+    if folder == "configs" and os.path.isfile(packaged):
+        return packaged
+    shipped = sorted(f for f in os.listdir(PACKAGED_CONFIGS)
+                     if f.endswith(".py") and not f.startswith("_"))
+    raise ConfigError(f"config file {path!r} does not exist (the packaged configs are "
+                      f"configs/{{{','.join(shipped)}}})")
+
+
 def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
     path, _, arg = spec.partition(":")
     if not path.endswith(".py"):
         raise ConfigError(f"config {spec!r}: expected a python file 'path.py' or 'path.py:preset'")
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist")
+    path = resolve_config_path(path)
     module_spec = importlib.util.spec_from_file_location(
         f"_opd_config_{abs(hash(os.path.abspath(path)))}", path)
     module = importlib.util.module_from_spec(module_spec)
-    # Config files may import their siblings (shared sections), as in big_vision.
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
-    try:
-        module_spec.loader.exec_module(module)
-    finally:
-        sys.path.pop(0)
+    _exec_with_siblings(module_spec, module, os.path.dirname(os.path.abspath(path)))
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} defines no get_config()")
     try:
@@ -60,6 +80,23 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
     cfg.lock()
     apply_overrides(cfg, overrides)
     return cfg
+
+
+def _exec_with_siblings(module_spec, module, folder: str) -> None:
+    """Run a config file that may import its siblings (shared sections, as in big_vision:
+    ``from _sections import ...``) from its own folder. What it imports from that folder is
+    dropped from ``sys.modules`` afterwards, so two folders' ``_sections.py`` (the packaged
+    one, a user's) never stand in for each other."""
+    before = set(sys.modules)
+    sys.path.insert(0, folder)
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(folder)
+        for name in set(sys.modules) - before:
+            file = getattr(sys.modules[name], "__file__", None)
+            if "." not in name and file and os.path.dirname(os.path.abspath(file)) == folder:
+                del sys.modules[name]
 
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:

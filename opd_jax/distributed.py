@@ -35,6 +35,7 @@ import os
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,6 @@ def is_main_process() -> bool:
 def barrier(name: str) -> None:
     """Wait until every process reaches the barrier `name` (no-op single-process)."""
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
 
 
@@ -156,7 +156,6 @@ def fetch(tree: Any) -> Any:
     """
     def one(x):
         if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
-            from jax.experimental import multihost_utils
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(x)
     return jax.tree.map(one, tree)

@@ -20,6 +20,8 @@ back is :func:`opd_jax.distributed.fetch`.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -231,6 +233,55 @@ def vocab_parallel_axes(mesh: Mesh, rules: Rules = DEFAULT_RULES
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A run's device path in one object: its mesh and logical-axis rules. The train step,
+    the old-log-prob forward, the teachers and the batch placement all read it, so none of
+    them can disagree about where the batch (or any other) axis lives.
+
+        layout = Layout(make_mesh((2, 4, 1)), rules)
+        batch = layout.shard_batch(host_batch)          # once per iteration
+        sub = layout.take_rows(batch, idx)              # a minibatch, gathered on device
+    """
+    mesh: Mesh
+    rules: tuple = DEFAULT_RULES
+
+    def __post_init__(self):   # hashable: rules from a config are lists
+        object.__setattr__(self, "rules", tuple(tuple(r) for r in self.rules))
+
+    def batch(self, ndim: int = 2) -> NamedSharding:
+        """A [B, ...] array's sharding: B over the `batch` rule, the rest replicated."""
+        return batch_sharding(self.mesh, ndim, self.rules)
+
+    @property
+    def batch_shards(self) -> int:
+        return batch_shards(self.mesh, self.rules)
+
+    def replicated(self) -> NamedSharding:
+        return replicated(self.mesh)
+
+    def state(self, tree: Any) -> Any:
+        """Shardings of a parameter / train-state tree by its logical names."""
+        return state_shardings(tree, self.mesh, self.rules)
+
+    def shard_batch(self, batch: Any) -> Any:
+        return shard_batch(batch, self.mesh, self.rules)
+
+    def take_rows(self, batch: Any, idx_R) -> Any:
+        """Rows `idx_R` of a batch already placed by `shard_batch`, gathered on device
+        straight into the batch sharding (no host round trip and no second placement);
+        one compiled gather per batch structure."""
+        ndims = tuple(x.ndim for x in jax.tree.leaves(batch))
+        fn = _take_rows_fn(self, jax.tree.structure(batch), ndims)
+        return fn(batch, put(np.asarray(idx_R, np.int32), self.replicated()))
+
+
+@functools.lru_cache(maxsize=64)
+def _take_rows_fn(layout: Layout, treedef, ndims: tuple[int, ...]):
+    out = jax.tree.unflatten(treedef, [layout.batch(n) for n in ndims])
+    return jax.jit(lambda batch, idx: jax.tree.map(lambda x: x[idx], batch), out_shardings=out)
 
 
 def _axes(entry) -> tuple[str, ...]:

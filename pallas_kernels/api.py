@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import common, driver, onepass, reference, tuning
+from pallas_kernels import common, driver, onepass, reference, sharded, tuning
 
 
 def _config(implementation, mode, temperature, knobs, interpret, h_s_NxD, w_s_DxV, h_t_NxE):
@@ -28,7 +28,6 @@ def _fused(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg, mesh, vocab_axis, token
     """Single-device driver, or the vocab-parallel one when a mesh is given."""
     if mesh is None:
         return driver.fused(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg)
-    from pallas_kernels import sharded
     layout = sharded.Layout(mesh, vocab_axis, token_axis)
     return sharded.fused_sharded(h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, y_N, cfg, layout)
 

@@ -23,10 +23,10 @@ def backend_module(name: str):
     if name == "xla":
         return xla
     if name == "triton":
-        from pallas_kernels import triton
+        from pallas_kernels import triton   # lazy: a GPU backend, imported when picked
         return triton
     if name == "mosaic":
-        from pallas_kernels import mosaic
+        from pallas_kernels import mosaic   # lazy: a TPU backend, imported when picked
         return mosaic
     raise ValueError(f"implementation={name!r}; expected 'xla', 'triton' or 'mosaic' here")
 

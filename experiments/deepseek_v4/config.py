@@ -12,15 +12,15 @@ a sampled-token OPD student with the same rollouts and steps and the merged spec
 the baselines. Presets: ``reduced`` (1 seed), ``full`` (3 seeds), ``smoke`` (tests; a random
 1-layer model), ``scale_v5p64`` / ``scale_8xh100`` (Qwen3-1.7B students, Qwen3-8B specialists from their own
 SFT stage, on a TPU v5p-64 or 8xH100 mesh; compile-checked, not run:
-``python -m opd_jax.recipes.scale_up --config experiments/deepseek_v4/config.py:scale_8xh100``).
+``python -m studies.scale_estimate --config experiments/deepseek_v4/config.py:scale_8xh100``).
 """
 import ml_collections
 
 from opd_jax.recipes import policy_overrides as run
 from opd_jax.recipes import on_testbed, shrink_for_smoke
 from opd_jax.recipes import trainer_config as base
-from opd_jax.recipes.scale_up import MESHES, apply_scale
-from opd_jax.recipes.testbed import TESTBED
+from opd_jax.recipes import TESTBED
+from studies.scale_up import MESHES, apply_scale
 
 
 def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:

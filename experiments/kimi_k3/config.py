@@ -18,7 +18,7 @@ Presets:
                 their own SFT stage, 3 domains x 3 efforts, annealed ladder) on a TPU v5p-64
                 or an 8xH100 mesh; compile-checked, not run (placeholder checkpoint paths):
 
-    python -m opd_jax.recipes.scale_up --config experiments/kimi_k3/config.py:scale_8xh100
+    python -m studies.scale_estimate --config experiments/kimi_k3/config.py:scale_8xh100
 
 Every stage resumes from its checkpoints if the command is re-run with the same workdir.
 """
@@ -27,8 +27,8 @@ import ml_collections
 from opd_jax.recipes import policy_overrides as run
 from opd_jax.recipes import on_testbed, shrink_for_smoke
 from opd_jax.recipes import trainer_config as base
-from opd_jax.recipes.scale_up import MESHES, apply_scale
-from opd_jax.recipes.testbed import TESTBED
+from opd_jax.recipes import TESTBED
+from studies.scale_up import MESHES, apply_scale
 
 
 def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grain
 import numpy as np
+
+from opd_jax.models.tokenizers import bos_ids
 
 
 def tokenize_example(example: Mapping[str, Any], tokenizer, *, add_bos: bool = True) -> dict:
@@ -33,9 +36,9 @@ def tokenize_example(example: Mapping[str, Any], tokenizer, *, add_bos: bool = T
                          f"{sorted(example)}")
     ids: list[int] = []
     mask: list[int] = []
-    if add_bos and tokenizer.bos_token_id is not None:
-        ids.append(tokenizer.bos_token_id)
-        mask.append(0)
+    if add_bos:
+        ids += bos_ids(tokenizer)
+        mask += [0] * len(ids)
     prompt = tokenizer.encode(example["prompt"], add_special_tokens=False)
     ids += prompt
     mask += [0] * len(prompt)
@@ -168,7 +171,6 @@ def scan_examples(examples: Sequence[Any], tokenizer, *, seq_len: int, source: s
                          f"response token within data.seq_len={seq_len} tokens (e.g. "
                          f"{where(dropped[0])}); raise data.seq_len or shorten the prompts")
     if dropped or truncated:
-        import warnings
         warnings.warn(f"{source}: {len(dropped)} of {n} examples dropped (no response token "
                       f"within data.seq_len={seq_len}"
                       + (f", first {where(dropped[0])}" if dropped else "")

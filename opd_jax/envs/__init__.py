@@ -8,7 +8,8 @@ and reward models. Pure Python (grain only as the consumer of the sources); no j
     env.step("<think>...</think>42")                       # StepResult(..., done=True)
 """
 from opd_jax.envs.base import (DEFAULT_EFFORTS, DOMAINS, KNOWN_EFFORTS, PER_TURN_EFFORTS,
-                               SPLITS, THINKING_MODES, EffortSpec, Environment,
+                               SPLITS, THINKING_MODES, EffortSpec,
+                               cell_name, cell_of, Environment,
                                RewardResult, SingleTurnEnv, StepResult, Task, TaskFamily,
                                effort_spec, get_family, list_families, make_env,
                                register_env, register_family, render_prompt, score,
@@ -24,7 +25,7 @@ from opd_jax.envs import agent, coding, general  # noqa: F401  (register built-i
 
 __all__ = [
     "DEFAULT_EFFORTS", "DOMAINS", "KNOWN_EFFORTS", "PER_TURN_EFFORTS", "SPLITS",
-    "THINKING_MODES", "EffortSpec", "Environment", "RewardResult",
+    "THINKING_MODES", "cell_name", "cell_of", "EffortSpec", "Environment", "RewardResult",
     "SingleTurnEnv", "StepResult", "Task", "TaskFamily", "effort_spec", "get_family",
     "list_families", "make_env", "register_env", "register_family", "render_prompt", "score",
     "turn_control", "turn_mode", "turn_modes",

@@ -84,12 +84,12 @@ def _make_hook(workdir, read_roots):
 
 
 def _lock_down(workdir, cfg):
-    import resource
-    import signal
+    import resource   # lazy: the sandboxed child's limits, set before user code runs
+    import signal     # lazy: as above
     signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it; we want the kill
     if cfg["net"] and os.getuid() == 0:
         try:  # private, empty network namespace; needs CAP_SYS_ADMIN (root)
-            import ctypes  # local: user code must not find it among this module's globals
+            import ctypes  # lazy: user code must not find it among this module's globals
             ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
         except Exception:
             pass  # the audit hook still blocks sockets
@@ -121,7 +121,7 @@ def main():
             __import__(name)
         except ImportError:
             pass
-    import traceback
+    import traceback   # lazy: only the child's error path reads it
     src_path = os.path.join(workdir, "main.py")
     with open(src_path) as f:
         code = compile(f.read(), src_path, "exec")

@@ -76,6 +76,16 @@ PER_TURN_EFFORTS: dict[str, EffortSpec] = {
 }
 
 
+def cell_name(domain: str, effort: str) -> str:
+    """A (domain, effort) cell's name, "domain/effort": teacher keys, metrics and tables."""
+    return f"{domain}/{effort}"
+
+
+def cell_of(task: "Task") -> str:
+    """The name of the cell `task` belongs to."""
+    return cell_name(task.domain, task.effort)
+
+
 @dataclasses.dataclass(frozen=True)
 class Task:
     """One prompt in a (domain, effort) cell. `reference` is hidden from the model.

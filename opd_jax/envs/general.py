@@ -104,7 +104,7 @@ def math_equal(pred: str, gold: str) -> bool:
     if len(pred) > 200:  # no timeout off the main thread: keep sympy's input small
         return False
     try:
-        from math_verify import parse, verify
+        from math_verify import parse, verify   # lazy: start-up time (sympy), optional
     except ImportError:  # fallback: exact string match after stripping spaces and $
         return pred.replace(" ", "").strip("$") == gold.replace(" ", "").strip("$")
     # math-verify's timeouts use SIGALRM, which works only in the main thread.

@@ -21,11 +21,11 @@ from opd_jax.losses.kl import (forward_kl, forward_kl_loss, generalized_jsd,
                                generalized_jsd_loss, reverse_kl, reverse_kl_loss)
 from opd_jax.losses.logprobs import log_softmax, token_entropy, token_logprobs
 from opd_jax.losses.opd import clipped_log_ratio, glm_opd_loss, kimi_mopd_loss
-from opd_jax.losses.policy import CORRECTIONS, mismatch_correction, ppo_clip
+from opd_jax.losses.policy import CORRECTIONS, Correction, mismatch_correction, ppo_clip
 from opd_jax.losses.sft import sft_loss
 
 __all__ = [
-    "AGGREGATIONS", "CORRECTIONS", "aggregate", "clipped_log_ratio", "dapo_group_filter",
+    "AGGREGATIONS", "CORRECTIONS", "Correction", "aggregate", "clipped_log_ratio", "dapo_group_filter",
     "forward_kl", "forward_kl_loss", "generalized_jsd", "generalized_jsd_loss", "glm_opd_loss",
     "glm_opd_loss_from_hidden", "kimi_mopd_loss_from_hidden", "reverse_kl_loss_from_hidden",
     "sampled_token_logprobs_from_hidden",

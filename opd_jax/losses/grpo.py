@@ -93,8 +93,7 @@ def grpo_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B_or_BxT: jax.Ar
               mask_BxT: jax.Array, *, eps_low: float = 0.2, eps_high: float = 0.2,
               dual_clip: float | None = None, ref_logp_BxT: jax.Array | None = None,
               kl_beta: float = 0.0, sampler_logp_BxT: jax.Array | None = None,
-              correction: str | None = None, icepop_bounds: tuple[float, float] = (0.5, 5.0),
-              icepop_normalizer: str = "all", tis_cap: float = 2.0,
+              correction: policy.Correction | str | None = None,
               aggregation: str = "token_mean", max_len: int | None = None
               ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GRPO/PPO-clip policy loss with optional reference KL and mismatch correction.
@@ -103,10 +102,10 @@ def grpo_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B_or_BxT: jax.Ar
     l_t = -c_t min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)
           + kl_beta KL_k3(pi_theta || pi_ref)         (REVERSE KL, policy first)
     DAPO clip-higher: eps_high > eps_low. c_t is the detached mismatch correction with
-    k_t = exp(lp_old - lp_sampler): IcePop c_t = 1[alpha <= k_t <= beta] (icepop_bounds),
-    TIS c_t = min(k_t, tis_cap), else 1. It multiplies the policy term only. IcePop-rejected
-    tokens stay in the normalizer by default (icepop_normalizer="all", as verl);
-    "kept" removes them. `aggregation`: "token_mean" (DAPO, default), "seq_mean" (GRPO),
+    k_t = exp(lp_old - lp_sampler), a `policy.Correction` (or its kind: None, "icepop",
+    "tis"): IcePop c_t = 1[alpha <= k_t <= beta], TIS c_t = min(k_t, tis_cap), else 1. It
+    multiplies the policy term only. IcePop-rejected tokens stay in the normalizer by
+    default (icepop_normalizer="all", as verl); "kept" removes them. `aggregation`: "token_mean" (DAPO, default), "seq_mean" (GRPO),
     "max_len" (Dr.GRPO, sum / (B * max_len)); the KL term is aggregated the same way.
     `adv_B_or_BxT` is per sequence [B] or per token [B, T]; it gets no gradient.
 
@@ -120,8 +119,8 @@ def grpo_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B_or_BxT: jax.Ar
                               ref_logp_BxT=ref_logp_BxT, sampler_logp_BxT=sampler_logp_BxT)
     _checks.check_adv("adv_B_or_BxT", adv_B_or_BxT, shape)
     policy.check_ppo_args(eps_low, eps_high, dual_clip)
-    policy.check_correction_args(correction, sampler_logp_BxT, icepop_bounds, tis_cap,
-                                 icepop_normalizer)
+    correction = policy.Correction.of(correction)
+    policy.check_correction_args(correction, sampler_logp_BxT)
     _checks.check_scalar("kl_beta", kl_beta, lo=0.0)
     beta = _checks.concrete(kl_beta)
     if ref_logp_BxT is None and (beta is None or float(beta) != 0.0):
@@ -135,9 +134,8 @@ def grpo_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, adv_B_or_BxT: jax.Ar
 
     pg_BxT, metrics = policy.ppo_clip(lp, old, adv_BxT, m, eps_low, eps_high, dual_clip)
     pg_loss, corr_metrics = policy.corrected_policy_loss(
-        pg_BxT, old, sampler_logp_BxT, m, correction=correction,
-        icepop_bounds=icepop_bounds, tis_cap=tis_cap, icepop_normalizer=icepop_normalizer,
-        aggregation=aggregation, max_len=max_len)
+        pg_BxT, old, sampler_logp_BxT, m, correction=correction, aggregation=aggregation,
+        max_len=max_len)
     loss = pg_loss
     metrics |= {"pg_loss": sg(pg_loss), "entropy_est": masked_mean(-sg(lp), m),
                 "adv_mean": masked_mean(adv_BxT, m)}

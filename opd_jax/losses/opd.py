@@ -39,9 +39,8 @@ def clipped_log_ratio(teacher_logp_BxT: jax.Array, logp_BxT: jax.Array, r_max) -
 def kimi_mopd_loss(logp_BxT: jax.Array, teacher_logp_BxT: jax.Array, mask_BxT: jax.Array, *,
                    r_max: float, old_logp_BxT: jax.Array | None = None,
                    eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
-                   sampler_logp_BxT: jax.Array | None = None, correction: str | None = None,
-                   icepop_bounds: tuple[float, float] = (0.5, 5.0),
-                   icepop_normalizer: str = "all", tis_cap: float = 2.0,
+                   sampler_logp_BxT: jax.Array | None = None,
+                   correction: policy.Correction | str | None = None,
                    aggregation: str = "token_mean", max_len: int | None = None,
                    position_gamma: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Kimi K3 multi-teacher OPD (Eq. 15), a dense clipped per-token advantage.
@@ -66,8 +65,8 @@ def kimi_mopd_loss(logp_BxT: jax.Array, teacher_logp_BxT: jax.Array, mask_BxT: j
                       sampler_logp_BxT=sampler_logp_BxT)
     _checks.check_scalar("r_max", r_max, lo=0.0, lo_open=True)
     policy.check_ppo_args(eps_low, eps_high, dual_clip)
-    policy.check_correction_args(correction, sampler_logp_BxT, icepop_bounds, tis_cap,
-                                 icepop_normalizer)
+    correction = policy.Correction.of(correction)
+    policy.check_correction_args(correction, sampler_logp_BxT)
     m = mask_BxT
     lp, teacher = sanitize(logp_BxT, m), sg(sanitize(teacher_logp_BxT, m))
     ref = sg(lp) if old_logp_BxT is None else sg(sanitize(old_logp_BxT, m))
@@ -79,9 +78,8 @@ def kimi_mopd_loss(logp_BxT: jax.Array, teacher_logp_BxT: jax.Array, mask_BxT: j
     else:
         pg_BxT, metrics = policy.ppo_clip(lp, ref, r_BxT, m, eps_low, eps_high, dual_clip)
     loss, corr_metrics = policy.corrected_policy_loss(
-        pg_BxT, ref, sampler_logp_BxT, m, correction=correction,
-        icepop_bounds=icepop_bounds, tis_cap=tis_cap, icepop_normalizer=icepop_normalizer,
-        aggregation=aggregation, max_len=max_len, position_gamma=position_gamma)
+        pg_BxT, ref, sampler_logp_BxT, m, correction=correction, aggregation=aggregation,
+        max_len=max_len, position_gamma=position_gamma)
     metrics |= {
         "loss": sg(loss),
         "r_mean": masked_mean(r_BxT, m),
@@ -98,8 +96,7 @@ def glm_opd_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, teacher_logp_BxT:
                  mask_BxT: jax.Array, *, eps_low: float = 0.2, eps_high: float = 0.2,
                  dual_clip: float | None = None, task_adv: jax.Array | None = None,
                  kl_coef: float = 1.0, sampler_logp_BxT: jax.Array | None = None,
-                 correction: str | None = None, icepop_bounds: tuple[float, float] = (0.5, 5.0),
-                 icepop_normalizer: str = "all", tis_cap: float = 2.0,
+                 correction: policy.Correction | str | None = None,
                  aggregation: str = "token_mean", max_len: int | None = None,
                  position_gamma: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GLM cross-stage OPD: the teacher log-ratio replaces the GRPO advantage (group size 1).
@@ -108,7 +105,7 @@ def glm_opd_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, teacher_logp_BxT:
     l_t = -c_t min(rho_t A_t, clip(rho_t, 1 - eps_low, 1 + eps_high) A_t),
     rho_t = exp(lp_theta - lp_old). A_t is detached; its OPD part is minus a sampled
     estimate of the REVERSE KL(pi_old || pi_T) (student first), so the step descends it.
-    `task_adv` is [B] or [B, T]. c_t, aggregation and icepop_normalizer as in `grpo_loss`;
+    `task_adv` is [B] or [B, T]. c_t (`correction`) and aggregation as in `grpo_loss`;
     `position_gamma` as in `kimi_mopd_loss`.
 
     Example::
@@ -123,8 +120,8 @@ def glm_opd_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, teacher_logp_BxT:
         _checks.check_adv("task_adv", task_adv, shape)
     _checks.check_scalar("kl_coef", kl_coef, lo=0.0)
     policy.check_ppo_args(eps_low, eps_high, dual_clip)
-    policy.check_correction_args(correction, sampler_logp_BxT, icepop_bounds, tis_cap,
-                                 icepop_normalizer)
+    correction = policy.Correction.of(correction)
+    policy.check_correction_args(correction, sampler_logp_BxT)
     m = mask_BxT
     lp, old = sanitize(logp_BxT, m), sg(sanitize(old_logp_BxT, m))
     teacher = sg(sanitize(teacher_logp_BxT, m))
@@ -135,9 +132,8 @@ def glm_opd_loss(logp_BxT: jax.Array, old_logp_BxT: jax.Array, teacher_logp_BxT:
         adv_BxT = adv_BxT + sg(sanitize(jnp.broadcast_to(task, shape), m))
     pg_BxT, metrics = policy.ppo_clip(lp, old, adv_BxT, m, eps_low, eps_high, dual_clip)
     loss, corr_metrics = policy.corrected_policy_loss(
-        pg_BxT, old, sampler_logp_BxT, m, correction=correction,
-        icepop_bounds=icepop_bounds, tis_cap=tis_cap, icepop_normalizer=icepop_normalizer,
-        aggregation=aggregation, max_len=max_len, position_gamma=position_gamma)
+        pg_BxT, old, sampler_logp_BxT, m, correction=correction, aggregation=aggregation,
+        max_len=max_len, position_gamma=position_gamma)
     metrics |= {
         "loss": sg(loss),
         "adv_mean": masked_mean(adv_BxT, m),

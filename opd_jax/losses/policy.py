@@ -6,6 +6,9 @@ replaced by finite values) and in fp32/fp64.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 
@@ -62,42 +65,87 @@ def ppo_clip(lp_BxT: jax.Array, old_BxT: jax.Array, adv_BxT: jax.Array, mask_BxT
     return pg_BxT, metrics
 
 
-def check_correction_args(correction, sampler_logp_BxT, icepop_bounds, tis_cap,
-                          icepop_normalizer) -> None:
-    _checks.check_choice("correction", correction, CORRECTIONS)
-    _checks.check_choice("icepop_normalizer", icepop_normalizer, ICEPOP_NORMALIZERS)
-    if correction is not None and sampler_logp_BxT is None:
-        raise ValueError(f"correction={correction!r} needs sampler_logp_BxT (the rollout "
+@dataclasses.dataclass(frozen=True)
+class Correction:
+    """The training/inference mismatch correction of the sampled-token losses, one object
+    shared by `grpo_loss`, `kimi_mopd_loss`, `glm_opd_loss`, the objectives and the configs
+    (``objective.options.correction``). k_t = exp(lp_old_train(y_t) - lp_sampler(y_t)):
+
+    - kind None: no correction (the mismatch metrics are still logged);
+    - kind "icepop": weight 1[alpha <= k_t <= beta], (alpha, beta) = `icepop_bounds`;
+      rejected tokens stay in the normalizer with `icepop_normalizer` "all" (verl's
+      choice), "kept" drops them from it;
+    - kind "tis": weight min(k_t, `tis_cap`) (truncated importance sampling).
+
+    Values are checked when the object is built: a config's bad value fails before work.
+    ``Correction.of("tis")``, ``Correction.of(None)`` and ``Correction.of({"kind": ...})``
+    build one from a config value.
+    """
+    kind: str | None = "icepop"
+    icepop_bounds: tuple[float, float] = (0.5, 5.0)
+    icepop_normalizer: str = "all"
+    tis_cap: float = 2.0
+
+    def __post_init__(self):
+        if self.kind in ("none", "None"):     # a config override: --config...kind=None
+            object.__setattr__(self, "kind", None)
+        if not isinstance(self.icepop_bounds, tuple):
+            object.__setattr__(self, "icepop_bounds", tuple(self.icepop_bounds))
+        _checks.check_choice("correction", self.kind, CORRECTIONS)
+        _checks.check_choice("icepop_normalizer", self.icepop_normalizer, ICEPOP_NORMALIZERS)
+        if self.kind == "icepop":
+            if len(self.icepop_bounds) != 2:
+                raise ValueError(f"icepop_bounds={self.icepop_bounds!r}, expected (alpha, beta)")
+            lo, hi = self.icepop_bounds
+            _checks.check_scalar("icepop_bounds[0]", lo, lo=0.0)
+            _checks.check_scalar("icepop_bounds[1]", hi, lo=0.0)
+            a, b = _checks.concrete(lo), _checks.concrete(hi)
+            if a is not None and b is not None and not float(a) < float(b):
+                raise ValueError(f"icepop_bounds={self.icepop_bounds}: need alpha < beta")
+        if self.kind == "tis":
+            _checks.check_scalar("tis_cap", self.tis_cap, lo=0.0, lo_open=True)
+
+    @classmethod
+    def of(cls, value) -> Correction:
+        """A Correction from a kind (None, "icepop", "tis"), a mapping of its fields (a
+        config section), or a Correction."""
+        if isinstance(value, cls):
+            return value
+        if value is None or isinstance(value, str):
+            return cls(kind=value)
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+            if unknown:
+                raise ValueError(f"correction has no field(s) {unknown}; fields: "
+                                 f"{[f.name for f in dataclasses.fields(cls)]}")
+            return cls(**dict(value))
+        raise ValueError(f"correction={value!r}: expected None, 'icepop', 'tis', a mapping "
+                         f"of Correction fields, or a Correction")
+
+
+def check_correction_args(correction: Correction, sampler_logp_BxT) -> None:
+    if correction.kind is not None and sampler_logp_BxT is None:
+        raise ValueError(f"correction={correction.kind!r} needs sampler_logp_BxT (the rollout "
                          f"engine's log-probs of the sampled tokens), got None")
-    if correction == "icepop":
-        if len(icepop_bounds) != 2:
-            raise ValueError(f"icepop_bounds={icepop_bounds!r}, expected (alpha, beta)")
-        lo, hi = icepop_bounds
-        _checks.check_scalar("icepop_bounds[0]", lo, lo=0.0)
-        _checks.check_scalar("icepop_bounds[1]", hi, lo=0.0)
-        a, b = _checks.concrete(lo), _checks.concrete(hi)
-        if a is not None and b is not None and not float(a) < float(b):
-            raise ValueError(f"icepop_bounds={tuple(icepop_bounds)}: need alpha < beta")
-    if correction == "tis":
-        _checks.check_scalar("tis_cap", tis_cap, lo=0.0, lo_open=True)
 
 
 def mismatch_correction(old_BxT: jax.Array, sampler_BxT: jax.Array | None, mask_BxT: jax.Array,
-                        correction, icepop_bounds, tis_cap, icepop_normalizer
+                        correction: Correction | str | None
                         ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Per-token weight on the policy loss and the denominator mask, from the mismatch
     k_t = exp(lp_old_train(y_t) - lp_sampler(y_t)) (detached).
 
-    - None: weight 1 (the mismatch metrics are still logged when sampler log-probs exist).
-    - "icepop": weight M_t = 1[alpha <= k_t <= beta]. With icepop_normalizer="all"
-      (verl's choice) rejected tokens stay in the denominator; "kept" drops them from it.
-    - "tis": weight min(k_t, tis_cap) (truncated importance sampling).
+    `correction` (a `Correction`, or its kind): None weight 1 (the mismatch metrics are
+    still logged when sampler log-probs exist); "icepop" M_t = 1[alpha <= k_t <= beta]
+    (rejected tokens stay in the denominator with icepop_normalizer "all", not with
+    "kept"); "tis" min(k_t, tis_cap).
 
     Example: k = e^2 = 7.4 is outside IcePop's (0.5, 5), so the token gets weight 0::
 
         w, denom, metrics = mismatch_correction(jnp.zeros((1, 1)), jnp.full((1, 1), -2.0),
-                                                jnp.ones((1, 1)), "icepop", (0.5, 5.0), 2.0, "all")
+                                                jnp.ones((1, 1)), Correction("icepop"))
     """
+    c = Correction.of(correction)
     one_BxT = jnp.ones_like(old_BxT)
     if sampler_BxT is None:
         return one_BxT, mask_BxT, {}
@@ -107,16 +155,16 @@ def mismatch_correction(old_BxT: jax.Array, sampler_BxT: jax.Array | None, mask_
         "mismatch_mean": masked_mean(k_BxT, mask_BxT),
         "mismatch_max": masked_max(k_BxT, mask_BxT),
     }
-    if correction == "icepop":
-        lo, hi = icepop_bounds
+    if c.kind == "icepop":
+        lo, hi = c.icepop_bounds
         keep_BxT = (k_BxT >= lo) & (k_BxT <= hi)
         metrics["icepop_masked_frac"] = masked_frac(~keep_BxT, mask_BxT)
         weight_BxT = keep_BxT.astype(old_BxT.dtype)
-        denom_BxT = mask_BxT if icepop_normalizer == "all" else mask_BxT * weight_BxT
+        denom_BxT = mask_BxT if c.icepop_normalizer == "all" else mask_BxT * weight_BxT
         return weight_BxT, denom_BxT, metrics
-    if correction == "tis":
-        weight_BxT = jnp.minimum(k_BxT, tis_cap)
-        metrics["tis_clip_frac"] = masked_frac(k_BxT > tis_cap, mask_BxT)
+    if c.kind == "tis":
+        weight_BxT = jnp.minimum(k_BxT, c.tis_cap)
+        metrics["tis_clip_frac"] = masked_frac(k_BxT > c.tis_cap, mask_BxT)
         metrics["tis_weight_mean"] = masked_mean(weight_BxT, mask_BxT)
         return weight_BxT, mask_BxT, metrics
     return one_BxT, mask_BxT, metrics
@@ -145,8 +193,8 @@ def position_weights(mask_BxT: jax.Array, gamma) -> jax.Array:
 
 def corrected_policy_loss(pg_BxT: jax.Array, old_BxT: jax.Array,
                           sampler_logp_BxT: jax.Array | None, mask_BxT: jax.Array, *,
-                          correction, icepop_bounds, tis_cap, icepop_normalizer, aggregation,
-                          max_len, position_gamma=0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+                          correction: Correction, aggregation, max_len,
+                          position_gamma=0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weight a per-token policy loss by the mismatch correction (and, with
     `position_gamma` > 0, by `position_weights`), then aggregate it.
 
@@ -155,8 +203,8 @@ def corrected_policy_loss(pg_BxT: jax.Array, old_BxT: jax.Array,
     enter the numerator only: the denominator stays the mask (or IcePop's kept tokens).
     """
     sampler_BxT = jax.lax.stop_gradient(sanitize(sampler_logp_BxT, mask_BxT))
-    weight_BxT, denom_BxT, metrics = mismatch_correction(
-        old_BxT, sampler_BxT, mask_BxT, correction, icepop_bounds, tis_cap, icepop_normalizer)
+    weight_BxT, denom_BxT, metrics = mismatch_correction(old_BxT, sampler_BxT, mask_BxT,
+                                                         correction)
     if not (isinstance(position_gamma, (int, float)) and position_gamma == 0):
         weight_BxT = weight_BxT * position_weights(mask_BxT, position_gamma).astype(
             weight_BxT.dtype)

@@ -4,7 +4,7 @@
     resolve_model_path("runs/sft")       # any other path is returned unchanged
 
 ``base`` is the testbed's pretrained base: a small decoder trained by
-``python -m opd_jax.recipes.base_model`` on demos from the train split of every built-in
+``python -m studies.base_model`` on demos from the train split of every built-in
 task family (its model card, ``opd_jax/assets/base/README.md``, lists its size, corpus,
 steps, wall time and held-out reward per family, difficulty and effort). It uses the
 synthetic char-level tokenizer (``tokenizer="synthetic"``).
@@ -34,5 +34,5 @@ def resolve_model_path(path: str) -> str:
     folder = builtin_path(path[len(PREFIX):])
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"{path}: {folder} has no config.json (re-create it with "
-                                f"python -m opd_jax.recipes.base_model)")
+                                f"python -m studies.base_model)")
     return folder

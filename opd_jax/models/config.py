@@ -42,7 +42,7 @@ class ModelConfig:
     parameter unchanged; the KV-cache decode path and forward-only calls ignore it. Hugging
     Face config.json neither holds nor sets it (loaded configs get "none" unless the caller
     overrides it); opd_jax checkpoints record it in their metadata, and resuming or
-    starting from one under another value is allowed (`run_sft.check_workdir` compares
+    starting from one under another value is allowed (`trainers.workdir.check_workdir` compares
     everything but EXECUTION_FIELDS).
     """
     vocab_size: int

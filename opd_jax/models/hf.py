@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from opd_jax import sharding as sh
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.rope import check_rope_scaling
 from opd_jax.models.safetensors_io import SafetensorsFolder, write_folder
@@ -214,7 +215,6 @@ def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None
     mesh, params are created in their NamedShardings (opd_jax.sharding rules) from
     per-device blocks of the memory-mapped files.
     """
-    from opd_jax import sharding as sh
     path = os.fspath(path)
     cfg = read_config(path)
     pd = cfg.param_dtype if param_dtype is None else jnp.dtype(param_dtype).name

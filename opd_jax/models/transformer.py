@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax import lax
 
-from opd_jax.models.config import ModelConfig
+from opd_jax import sharding as sh
 from opd_jax.models import rope as rope_lib
+from opd_jax.models.config import ModelConfig
 
 F32 = jnp.float32
 _MASKED = -1e30  # finite: a fully masked row (padding) gives a uniform average, not NaN
@@ -92,7 +93,6 @@ class KVCache:
 
     def shardings(self, mesh, rules=None) -> "KVCache":
         """NamedShardings for this cache on `mesh` (batch and kv heads split, slots whole)."""
-        from opd_jax import sharding as sh
         rules = sh.DEFAULT_RULES if rules is None else rules
         kv = sh.named_sharding(self.LOGICAL_AXES, self.k[0].shape, mesh, rules)
         return KVCache(k=(kv,) * len(self.k), v=(kv,) * len(self.v), valid=sh.named_sharding(("batch", "seq"), self.valid.shape,

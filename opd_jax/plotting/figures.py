@@ -17,9 +17,9 @@ from opd_jax.plotting.toys import history_series, running_mean
 def _plt(agg: bool = False):
     """matplotlib.pyplot, imported on first use; ``agg``: files only, no screen (Agg)."""
     if agg:
-        import matplotlib
+        import matplotlib   # lazy: start-up time (plots are drawn at the end of a run)
         matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt   # lazy: start-up time
     return plt
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from opd_jax import losses
+from pallas_kernels import fused_clipped_log_ratio, fused_reverse_kl
 
 DIRECTIONS = ("reverse", "forward")
 
@@ -174,8 +175,8 @@ def icepop_mismatch(noise_scale: float, *, bounds: tuple[float, float] = (0.5, 5
     adv_B = jnp.where(jax.random.bernoulli(k_adv, 0.5, (batch,)), 1.0, -1.0)
     mask_BxT = jnp.ones((batch, tokens), jnp.float32)
     _, metrics = losses.grpo_loss(old_BxT, old_BxT, adv_B, mask_BxT,
-                                  sampler_logp_BxT=sampler_logp_BxT, correction="icepop",
-                                  icepop_bounds=bounds)
+                                  sampler_logp_BxT=sampler_logp_BxT, correction=losses.Correction(
+                                      "icepop", icepop_bounds=bounds))
     out = {k: float(v) for k, v in metrics.items()}
     out["log_k_BxT"] = np.asarray(old_BxT - sampler_logp_BxT)
     return out
@@ -200,7 +201,6 @@ def kernel_value_and_grad(kind: str, implementation: str, *, chunk_v: int = 1024
     -mean_n r_n lp_s,n from `fused_clipped_log_ratio` (the Kimi form). Arguments of the
     returned function: (h_s_NxD, w_s_DxV, h_t_NxE, w_t_ExV, targets_N).
     """
-    from pallas_kernels import fused_clipped_log_ratio, fused_reverse_kl
     if kind == "reverse_kl":
         def loss(h_s, w_s, h_t, w_t, y):
             return jnp.mean(fused_reverse_kl(h_s, w_s, h_t, w_t, implementation=implementation,

@@ -3,15 +3,40 @@
     opd-jax experiment --config experiments/kimi_k3/config.py:reduced --workdir runs/kimi_k3
 
 runs every stage of every seed (resumable), evaluates, and writes results.json,
-results.md and PNG plots under the workdir. See `pipeline` (stages) and `report`.
+results.md and PNG plots under the workdir. See `pipeline` (stages) and `report` (the
+report, and what a recipe module provides).
 """
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import sys
+
+import ml_collections
+
+from opd_jax.config import PACKAGED_CONFIGS, load_config
+from opd_jax.models import build_tokenizer
+from opd_jax.recipes import report as rp
+from opd_jax.recipes.pipeline import check_stages, run_stages
 
 RECIPES = ("kimi_k3", "glm", "deepseek_v4")
+
+# The testbed (docs/testbed.md): the family each domain trains and is evaluated on, the
+# efforts, and one table of both: the ones the base (`builtin:base`) was pretrained and
+# carded on.
+TESTBED = {"general": "chain", "agent": "tool_chain", "coding": "code_trace"}
+EFFORTS = ("low", "high", "max")
+# The evaluation difficulty of each domain, read off the base's card (3 seeds x 16, eval
+# split): the lowest at which low < high < max by >= 0.10 each, with room left for RL below
+# max (chain d3 0.06 / 0.72 / 1.00; tool_chain d3 0.54 / 0.86 / 1.00; code_trace d3
+# 0.04 / 0.53 / 0.73). The first run used chain d4 and tool_chain d4 and measured (3 seeds x
+# 64) base high - low +0.059 on chain (the high budget is too short for most d4 chains) and
+# max - high +0.092 on tool_chain: both under the margin (experiments/testbed/results/d4/).
+EVAL_DIFFICULTY = {"general": 3, "agent": 3, "coding": 3}
+# The testbed's sampling: enough new tokens per turn for the max budget (192) and an answer;
+# turns for 8 lookups.
+SAMPLING = dict(max_new_tokens=224, temperature=0.0, max_turns=10)
 
 
 def recipe_module(name: str):
@@ -25,11 +50,6 @@ def run_experiment(c, workdir: str, *, progress: bool = True, command: str | Non
 
     command: how this was invoked, for the results' provenance (default: this process's
     argv)."""
-    import sys
-
-    from opd_jax.recipes import report as rp
-    from opd_jax.recipes.pipeline import check_stages, run_stages
-    from opd_jax.trainers.builders import build_tokenizer
     mod = recipe_module(c.recipe)
     seeds = tuple(int(s) for s in c.seeds)
     if not seeds:
@@ -45,27 +65,16 @@ def run_experiment(c, workdir: str, *, progress: bool = True, command: str | Non
     for seed in seeds:
         print(f"== {c.recipe} seed {seed}", flush=True)
         run_stages(mod.build(c, seed), os.path.join(workdir, f"seed{seed}"), progress=progress)
-    return mod.report(c, workdir, seeds, build_tokenizer(c.tokenizer))
-
-
-CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
+    return rp.report(mod, c, workdir, seeds, build_tokenizer(c.tokenizer))
 
 
 def trainer_config(path: str, *overrides: str):
-    """A trainer config from the repository's configs/ folder, unlocked for recipes.
+    """A trainer config shipped in the package (opd_jax/configs/), unlocked for recipes.
 
     >>> trainer_config("grpo.py:tiny", "--config.train.steps=20")
     """
-    import ml_collections
-
-    from opd_jax.config import load_config
-    file = os.path.join(CONFIGS_DIR, path.split(":")[0])
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"trainer config {file!r} not found: recipes read configs/ "
-                                f"from a source checkout (pip install -e .)")
     return ml_collections.ConfigDict(
-        load_config(os.path.join(CONFIGS_DIR, path), list(overrides)).to_dict())
+        load_config(os.path.join(PACKAGED_CONFIGS, path), list(overrides)).to_dict())
 
 
 def policy_overrides(*, steps: int, lr: float, prompts: int, difficulty: int = 1,
@@ -92,14 +101,13 @@ def on_testbed(c, sft_sections, policy_sections, difficulty: int | None = None) 
     difficulty: train and evaluate at this difficulty instead of the domains' common
     evaluation difficulty (a recipe whose claims need it says why).
     """
-    from opd_jax.recipes import testbed as tb
-    bad = {d: f for d, f in dict(c.domains).items() if tb.TESTBED.get(d) != f}
+    bad = {d: f for d, f in dict(c.domains).items() if TESTBED.get(d) != f}
     if bad:
-        raise ValueError(f"domains {bad}: expected the testbed's families {tb.TESTBED}")
-    levels = {tb.EVAL_DIFFICULTY[d] for d in c.domains}
+        raise ValueError(f"domains {bad}: expected the testbed's families {TESTBED}")
+    levels = {EVAL_DIFFICULTY[d] for d in c.domains}
     if len(levels) != 1:
         raise ValueError(f"domains {sorted(c.domains)} have evaluation difficulties "
-                         f"{tb.EVAL_DIFFICULTY}: expected one difficulty for the recipe")
+                         f"{EVAL_DIFFICULTY}: expected one difficulty for the recipe")
     difficulty = levels.pop() if difficulty is None else int(difficulty)
     if difficulty not in range(1, 6):
         raise ValueError(f"difficulty={difficulty}: expected 1..5 (the testbed families' levels)")
@@ -111,11 +119,11 @@ def on_testbed(c, sft_sections, policy_sections, difficulty: int | None = None) 
         s = c[name]
         s.tasks.difficulty = difficulty
         for sampling in (s.rollout.sampling, s.eval.sampling):
-            sampling.update(dict(max_new_tokens=tb.SAMPLING["max_new_tokens"],
-                                 max_turns=tb.SAMPLING["max_turns"]))
+            sampling.update(dict(max_new_tokens=SAMPLING["max_new_tokens"],
+                                 max_turns=SAMPLING["max_turns"]))
     c.eval.difficulty = difficulty
-    c.eval.sampling.update(dict(max_new_tokens=tb.SAMPLING["max_new_tokens"],
-                                max_turns=tb.SAMPLING["max_turns"]))
+    c.eval.sampling.update(dict(max_new_tokens=SAMPLING["max_new_tokens"],
+                                max_turns=SAMPLING["max_turns"]))
 
 
 def shrink_for_smoke(c, rl, *students) -> None:

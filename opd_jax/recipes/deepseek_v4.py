@@ -13,11 +13,13 @@ specialists.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import ml_collections
-import numpy as np
 
+from opd_jax import envs
+from opd_jax.recipes import report as rp
 from opd_jax.recipes.kimi_k3 import specialist_start, stage_config, teacher_root
 from opd_jax.recipes.pipeline import Stage
 
@@ -29,7 +31,7 @@ def _cells(c) -> dict[str, tuple[str, str, str]]:
         if domain not in c.domains:
             raise ValueError(f"specialist {key!r}: domain {domain!r} not in {sorted(c.domains)}")
         out[key] = (domain, c.domains[domain], effort)
-    cells = [f"{d}/{e}" for d, _, e in out.values()]
+    cells = [envs.cell_name(d, e) for d, _, e in out.values()]
     if len(set(cells)) != len(cells):
         raise ValueError(f"two specialists share a (domain, effort) cell: {cells}")
     return out
@@ -47,7 +49,7 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
         stages.append(Stage(f"spec_{key}", "grpo", stage_config(c.specialist, seed, {d: fam}, (e,)),
                             init_from=start))
     teachers = {key: f"spec_{key}" for key in spec}
-    table = {f"{d}/{e}": key for key, (d, _, e) in spec.items()}
+    table = {envs.cell_name(d, e): key for key, (d, _, e) in spec.items()}
     for name, base_cfg in (("student", c.student), ("sampled_student", c.sampled_student)):
         s = stage_config(base_cfg, seed, domains, efforts)
         # Only the specialists' cells are trained: the grid's other cells have no teacher.
@@ -65,21 +67,16 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
 MODELS = ("sft", "teacher", "student", "sampled_student", "merge")
 
 
-def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
-    """Evaluate every seed's models and write results.json, results.md and the curves.
+def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
+    """Evaluate every seed's models into results.json's dict (`report.report` adds the
+    claims and the provenance).
 
     Every model is evaluated greedily on the same held-out problems, so differences are
-    paired per problem (pooled over seeds); the claims are computed by `claims` from what
-    goes into results.json.
+    paired per problem (pooled over seeds).
     """
-    import json
-    import time
-
-    from opd_jax.recipes import report as rp
-    t0 = time.time()
     spec = _cells(c)
     cells = list(spec.values())
-    names = [f"{d}/{e}" for d, _, e in cells]
+    names = [envs.cell_name(d, e) for d, _, e in cells]
     per_seed = []
     for seed in seeds:
         sw = os.path.join(workdir, f"seed{seed}")
@@ -98,27 +95,25 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
                                            "rewards": r[k][n]["rewards"]} for r in per_seed]
                                       for k in MODELS}
            for key, n in zip(spec, names)}
-    stage_names = [s.name for s in build(c, seeds[0]) if s.kind != "merge"]
-    results = {"recipe": "deepseek_v4", "seeds": list(seeds),
-               "eval": rp.eval_meta(c.eval),
-               "cells": out, "teacher_cache": [r["cache"] for r in per_seed],
-               "max_loaded": c.student.teachers.max_loaded,
-               "curves": [r["curves"] for r in per_seed]}
-    results["claims"] = claims(results)
-    results["provenance"] = (rp.provenance(workdir, seeds, stage_names)
-                             | {"eval_wall_s": round(time.time() - t0, 1)})
-    rp.write_json(os.path.join(workdir, "results.json"), results)
-    write_markdown(os.path.join(workdir, "results.md"), results)
-    s0 = per_seed[0]
+    return {"recipe": "deepseek_v4", "seeds": list(seeds),
+            "eval": rp.eval_meta(c.eval),
+            "cells": out, "teacher_cache": [r["cache"] for r in per_seed],
+            "max_loaded": c.student.teachers.max_loaded,
+            "curves": [r["curves"] for r in per_seed]}
+
+
+def plot(c: ml_collections.ConfigDict, workdir: str, results: dict) -> None:
+    """curves.png: the first seed's full-vocab and sampled-token students' held-out reward
+    per cell against its specialist and the merge."""
+    curves, cells, seed = results["curves"][0], results["cells"], results["seeds"][0]
     rp.plot_curves(os.path.join(workdir, "curves.png"), {
-        n: [{"x": s0["curves"][n]["student"][0], "y": s0["curves"][n]["student"][1],
+        n: [{"x": curves[n]["student"][0], "y": curves[n]["student"][1],
              "label": "full-vocab OPD"},
-            {"x": s0["curves"][n]["sampled_student"][0],
-             "y": s0["curves"][n]["sampled_student"][1], "label": "sampled-token OPD"},
-            {"y": s0["teacher"][n]["reward"], "label": "specialist", "color": "k"},
-            {"y": s0["merge"][n]["reward"], "label": "merged", "color": "r"}]
-        for n in names}, title=f"deepseek_v4: held-out reward per cell (seed {seeds[0]})")
-    return results
+            {"x": curves[n]["sampled_student"][0],
+             "y": curves[n]["sampled_student"][1], "label": "sampled-token OPD"},
+            {"y": cells[n]["teacher"][0]["reward"], "label": "specialist", "color": "k"},
+            {"y": cells[n]["merge"][0]["reward"], "label": "merged", "color": "r"}]
+        for n in cells}, title=f"deepseek_v4: held-out reward per cell (seed {seed})")
 
 
 def _rewards(v: dict, k: str) -> list[float]:
@@ -130,13 +125,11 @@ def _pooled(v: dict, k: str) -> list[float]:
 
 
 def _retention(v: dict, k: str) -> list[float]:
-    from opd_jax.recipes import report as rp
     return [rp.ratio(a, b) for a, b in zip(_rewards(v, k), _rewards(v, "teacher"))]
 
 
 def claims(results: dict) -> list[dict]:
     """The recipe's claims, from a results.json dict alone."""
-    from opd_jax.recipes import report as rp
     cells = results["cells"]
     n = len(cells)
     gain = {k: rp.paired(_pooled(v, "teacher"), _pooled(v, "sft")) for k, v in cells.items()}
@@ -167,7 +160,6 @@ def claims(results: dict) -> list[dict]:
 
 def write_markdown(path: str, results: dict) -> None:
     """results.md from a results.json dict (so the committed table can be regenerated)."""
-    from opd_jax.recipes import report as rp
     seeds, meta, ev, cells = (results["seeds"], results["provenance"], results["eval"],
                               results["cells"])
     rows = [[n, v["specialist"], rp.fmt(_rewards(v, "sft")), rp.fmt(_rewards(v, "teacher")),

@@ -20,6 +20,7 @@ import numpy as np
 
 from opd_jax import envs
 from opd_jax.plotting.recipes import plot_seed_lines
+from opd_jax.recipes import report as rp
 from opd_jax.recipes.kimi_k3 import specialist_start, stage_config
 from opd_jax.recipes.pipeline import Stage
 
@@ -37,7 +38,7 @@ def cells_of(c: ml_collections.ConfigDict, families: dict) -> tuple[tuple, tuple
     """(efforts, cells) of a stage on `families`: cells () when every domain has every mode,
     else the "domain/mode" cells that `domain_modes` gives."""
     efforts = tuple(dict.fromkeys(m for d in families for m in domain_modes(c, d)))
-    cells = tuple(f"{d}/{m}" for d in families for m in domain_modes(c, d))
+    cells = tuple(envs.cell_name(d, m) for d in families for m in domain_modes(c, d))
     return efforts, (() if len(cells) == len(families) * len(efforts) else cells)
 
 
@@ -78,20 +79,17 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
     return stages
 
 
-def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
-    """Evaluate every seed's stage line and write results.json, results.md and the plot.
+def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
+    """Evaluate every seed's stage line into results.json's dict (`report.report` adds the
+    claims and the provenance).
 
     Every model is evaluated greedily on the same held-out problems, so stage-to-stage
     differences are paired per problem (pooled over a domain's thinking modes and the
-    seeds); the claims are computed by `claims` from what goes into results.json.
+    seeds).
     """
-    import time
-
-    from opd_jax.recipes import report as rp
-    t0 = time.time()
     domains = dict(c.domains)
     cells = [(d, fam, m) for d, fam in domains.items() for m in domain_modes(c, d)]
-    names = [f"{d}/{m}" for d, _, m in cells]
+    names = [envs.cell_name(d, m) for d, _, m in cells]
     rl_stages = [n for n, _ in c.stages]
     line = ["sft", *rl_stages, "student", "merge"]
     per_seed = []
@@ -99,8 +97,7 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
         sw = os.path.join(workdir, f"seed{seed}")
         per_seed.append({s: rp.evaluate_stage(sw, s, cells, c.eval, tokenizer=tokenizer,
                                               difficulty=c.eval.difficulty) for s in line})
-    stage_names = [s.name for s in build(c, seeds[0]) if s.kind != "merge"]
-    results = {
+    return {
         "recipe": "glm", "seeds": list(seeds), "stages": line,
         "stage_domains": {n: list(ds) for n, ds in c.stages},
         "stage_teachers": dict(c.stage_teachers),
@@ -109,35 +106,31 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
         # cell -> stage -> per-seed {"reward", "rewards" (per problem)}
         "cells": {n: {s: [{"reward": r[s][n]["reward"], "rewards": r[s][n]["rewards"]}
                           for r in per_seed] for s in line} for n in names}}
-    results["claims"] = claims(results)
-    results["provenance"] = (rp.provenance(workdir, seeds, stage_names)
-                             | {"eval_wall_s": round(time.time() - t0, 1)})
-    rp.write_json(os.path.join(workdir, "results.json"), results)
-    write_markdown(os.path.join(workdir, "results.md"), results)
-    points = line[:-1]
+
+
+def plot(c: ml_collections.ConfigDict, workdir: str, results: dict) -> None:
+    """stages.png: each domain's reward after every stage of the line, one line per seed."""
+    points = results["stages"][:-1]
     plot_seed_lines(os.path.join(workdir, "stages.png"), [s.replace("_", " ") for s in points],
                     {d: [[_domain(results, s, d)[k] for s in points]
-                         for k in range(len(seeds))] for d in domains},
+                         for k in range(len(results["seeds"]))] for d in results["modes"]},
                     title="glm: forgetting across RL stages, recovery by cross-stage OPD")
-    return results
 
 
 def _domain(results: dict, stage: str, d: str) -> list[float]:
     """A domain's reward after `stage`, per seed: the mean over its thinking modes."""
-    modes = results["modes"][d]
-    return [float(np.mean([results["cells"][f"{d}/{m}"][stage][k]["reward"] for m in modes]))
-            for k in range(len(results["seeds"]))]
+    cells = [results["cells"][envs.cell_name(d, m)][stage] for m in results["modes"][d]]
+    return [float(np.mean([c[k]["reward"] for c in cells])) for k in range(len(results["seeds"]))]
 
 
 def _pooled(results: dict, stage: str, d: str) -> list[float]:
     """Per-problem rewards of a domain after `stage`, every mode and seed in one order."""
-    return [x for m in results["modes"][d] for r in results["cells"][f"{d}/{m}"][stage]
-            for x in r["rewards"]]
+    return [x for m in results["modes"][d]
+            for r in results["cells"][envs.cell_name(d, m)][stage] for x in r["rewards"]]
 
 
 def _paired(results: dict, a: str, b: str, d: str) -> dict:
     """Stage a - stage b on domain d, paired per problem."""
-    from opd_jax.recipes import report as rp
     return rp.paired(_pooled(results, a, d), _pooled(results, b, d))
 
 
@@ -148,7 +141,6 @@ def _rl_stages(results: dict) -> list[str]:
 
 def claims(results: dict) -> list[dict]:
     """The recipe's claims, from a results.json dict alone (paired over the same problems)."""
-    from opd_jax.recipes import report as rp
     rl = _rl_stages(results)
     last = rl[-1]
     line = ["sft", *rl]
@@ -184,7 +176,6 @@ def claims(results: dict) -> list[dict]:
 
 def write_markdown(path: str, results: dict) -> None:
     """results.md from a results.json dict (so the committed table can be regenerated)."""
-    from opd_jax.recipes import report as rp
     line, seeds, meta, ev = (results["stages"], results["seeds"], results["provenance"],
                              results["eval"])
     last = _rl_stages(results)[-1]

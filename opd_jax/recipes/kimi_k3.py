@@ -13,11 +13,19 @@ presets: larger teachers than the student) the teachers start from their own SFT
 """
 from __future__ import annotations
 
-import ml_collections
+import os
 
-from opd_jax.recipes.pipeline import Stage
+import ml_collections
+import numpy as np
+
+from opd_jax import envs
+from opd_jax.recipes import report as rp
+from opd_jax.recipes.pipeline import Stage, read_done
 
 LADDER = ("max", "high", "low")     # annealing order: each from the previous one
+# The teacher level (fraction of a teacher's reward) of results.json files written before
+# they recorded it: every preset's ``c.teacher_level``.
+TEACHER_LEVEL = 0.95
 
 
 def teacher_name(domain: str, effort: str, plain: bool = False) -> str:
@@ -59,14 +67,14 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
                 stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam}, (effort,)),
                                     init_from=prev))
                 prev = name
-                teachers[f"{domain}/{effort}"] = name
+                teachers[envs.cell_name(domain, effort)] = name
             if c.effort_schedule in ("plain", "both"):
                 name = teacher_name(domain, effort, plain=True)
                 start = specialist_start(c, stages, seed, f"sft_plain_{domain}_{effort}",
                                          {domain: fam}, (effort,), root)
                 stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam}, (effort,)),
                                     init_from=start))
-                teachers.setdefault(f"{domain}/{effort}", name)
+                teachers.setdefault(envs.cell_name(domain, effort), name)
     if c.effort_schedule not in ("anneal", "plain", "both"):
         raise ValueError(f"effort_schedule={c.effort_schedule!r}: expected anneal, plain, both")
     stages.append(Stage("student", "opd", stage_config(c.student, seed, domains, efforts),
@@ -125,31 +133,21 @@ def rl_steps_to(stages: list[Stage], name: str, records: dict) -> int:
     return steps
 
 
-def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
-    """Evaluate every seed's stages and write results.json, results.md and the plots.
+def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
+    """Evaluate every seed's stages into results.json's dict (`report.report` adds the
+    claims and the provenance, which results.json keeps after the seeds).
 
     Every model is evaluated greedily on the same held-out problems (the eval split, drawn
-    by ``c.eval.seed``), so teacher - SFT differences are paired per problem; the claims are
-    computed here from the per-cell numbers that go into results.json.
+    by ``c.eval.seed``), so teacher - SFT differences are paired per problem.
     """
-    import os
-    import time
-
-    import numpy as np
-
-    from opd_jax.recipes import report as rp
-    from opd_jax.recipes.pipeline import read_done
-
-    t0 = time.time()
     domains, efforts = dict(c.domains), tuple(c.efforts)
     cells = [(d, fam, e) for d, fam in domains.items() for e in efforts]
-    names = [f"{d}/{e}" for d, _, e in cells]
+    names = [envs.cell_name(d, e) for d, _, e in cells]
     ev, diff = c.eval, c.eval.difficulty
-    per_seed, stage_names = [], []
+    per_seed = []
     for seed in seeds:
         sw = os.path.join(workdir, f"seed{seed}")
         stages = build(c, seed)
-        stage_names = [s.name for s in stages if s.kind != "merge"]
         records = {s.name: read_done(sw, s.name) for s in stages}
         routed = routed_teachers(stages)
         evs = lambda stage, cs: rp.evaluate_stage(sw, stage, cs, ev, tokenizer=tokenizer,
@@ -157,7 +155,6 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
         r = {"teacher": {}, "plain": {}, "student": evs("student", cells),
              "merge": evs("merge", cells), "sft": evs("sft", cells), "opd_steps": {},
              "rl_steps": {}}
-        student_curve = {}
         for cell, (d, fam, e) in zip(names, cells):
             t = routed[cell]
             r["teacher"][cell] = evs(t, [(d, fam, e)])[cell]
@@ -165,12 +162,10 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
                 r["plain"][cell] = evs(teacher_name(d, e, plain=True), [(d, fam, e)])[cell]
             r["rl_steps"][cell] = rl_steps_to(stages, t, records)
             xs, ys = rp.curve(sw, "student", f"heldout/{cell}/reward")
-            student_curve[cell] = (xs, ys)
             level = c.teacher_level * r["teacher"][cell]["reward"]
             hit = next((x for x, y in zip(xs, ys) if y >= level), None)
             per_it = c.student.rl.ppo_epochs * c.student.rl.minibatches
             r["opd_steps"][cell] = None if hit is None else hit * per_it
-        r["curves"] = student_curve
         per_seed.append(r)
 
     def vals(kind, cell, key="reward"):
@@ -196,23 +191,27 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
             "student_minus_merge": rp.paired(pooled("student", cell), pooled("merge", cell)),
             "plain": vals("plain", cell) if c.effort_schedule == "both" else [],
             "opd_steps": opd, "rl_steps": rl}
-    measured = claims(c, out_cells, domains, efforts)
-    meta = rp.provenance(workdir, seeds, stage_names) | {"eval_wall_s": round(time.time() - t0, 1)}
-    results = {"recipe": "kimi_k3", "seeds": list(seeds), "provenance": meta,
-               "eval": rp.eval_meta(ev), "cells": out_cells,
-               "claims": measured}
-    rp.write_json(os.path.join(workdir, "results.json"), results)
-    write_markdown(os.path.join(workdir, "results.md"), results)
-    s0 = per_seed[0]
-    rp.plot_curves(os.path.join(workdir, "curves.png"), {
-        cell: [{"x": s0["curves"][cell][0], "y": s0["curves"][cell][1],
-                "label": f"student (MOPD), in-run eval n={c.student.eval.n}"},
-               {"y": s0["teacher"][cell]["reward"], "label": f"teacher (n={ev.n})",
-                "color": "k"},
-               {"y": s0["merge"][cell]["reward"], "label": f"merged (n={ev.n})", "color": "r"},
-               {"y": s0["sft"][cell]["reward"], "label": f"SFT start (n={ev.n})",
-                "color": "gray"}]
-        for cell in names}, title=f"kimi_k3: student held-out reward per cell (seed {seeds[0]})")
+    return {"recipe": "kimi_k3", "seeds": list(seeds), "provenance": None,
+            "eval": rp.eval_meta(ev), "teacher_level": c.teacher_level, "cells": out_cells}
+
+
+def plot(c: ml_collections.ConfigDict, workdir: str, results: dict) -> None:
+    """curves.png (the first seed's student held-out reward per cell against its teacher,
+    the merge and the SFT start) and retention.png (student and merge / teacher)."""
+    out_cells, seed, n = results["cells"], results["seeds"][0], results["eval"]["n"]
+    names = list(out_cells)
+    sw = os.path.join(workdir, f"seed{seed}")
+    curves = {}
+    for cell in names:
+        xs, ys = rp.curve(sw, "student", f"heldout/{cell}/reward")
+        v = out_cells[cell]
+        curves[cell] = [{"x": xs, "y": ys,
+                         "label": f"student (MOPD), in-run eval n={c.student.eval.n}"},
+                        {"y": v["teacher"][0], "label": f"teacher (n={n})", "color": "k"},
+                        {"y": v["merge"][0], "label": f"merged (n={n})", "color": "r"},
+                        {"y": v["sft"][0], "label": f"SFT start (n={n})", "color": "gray"}]
+    rp.plot_curves(os.path.join(workdir, "curves.png"), curves,
+                   title=f"kimi_k3: student held-out reward per cell (seed {seed})")
     rp.plot_bars(os.path.join(workdir, "retention.png"), names, {
         "student / teacher": [np.mean(out_cells[c_]["retention"]) for c_ in names],
         "merged / teacher": [np.mean(out_cells[c_]["merge_retention"]) for c_ in names]},
@@ -220,14 +219,10 @@ def report(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict
                 "merged / teacher": [np.std(out_cells[c_]["merge_retention"]) for c_ in names]},
         title="kimi_k3: retention of teacher reward", ylabel="fraction of teacher reward",
         hline=1.0)
-    return results
 
 
 def write_markdown(path: str, results: dict) -> None:
     """results.md from a results.json dict (so the committed table can be regenerated)."""
-    import numpy as np
-
-    from opd_jax.recipes import report as rp
     cells, seeds, meta, ev = (results["cells"], results["seeds"], results["provenance"],
                               results["eval"])
     header = ["cell", "SFT", "teacher", "teacher - SFT (se, paired)", "student (MOPD)",
@@ -260,7 +255,6 @@ def merge_reason(cells: dict, better: list, n: int) -> str:
     teachers' task vectors to the SFT start and OPD copies the teachers: where the teachers
     gained nothing over the start, the student inherits what they lost and the merge, near
     the start, does not."""
-    import numpy as np
     m = lambda key: float(np.mean([np.mean(v[key]) for v in cells.values()]))
     t_sft = float(np.mean([v["teacher_minus_sft"]["diff"] for v in cells.values()]))
     return (f"; measured reason: the teachers beat the SFT start on {len(better)} of {n} cells "
@@ -270,15 +264,24 @@ def merge_reason(cells: dict, better: list, n: int) -> str:
             f"reward)")
 
 
-def claims(c, cells: dict, domains: dict, efforts) -> list[dict]:
-    import numpy as np
+def _grid(cells: dict) -> tuple[list[str], list[str]]:
+    """(domains, efforts) of results.json's cells, in the order the report wrote them (the
+    cells are `envs.cell_name(domain, effort)`, domain by domain)."""
+    pairs = [name.split("/", 1) for name in cells]
+    return list(dict.fromkeys(d for d, _ in pairs)), list(dict.fromkeys(e for _, e in pairs))
+
+
+def claims(results: dict) -> list[dict]:
+    """The recipe's claims, from a results.json dict alone (paired over the same problems)."""
+    cells = results["cells"]
+    domains, efforts = _grid(cells)
+    lvl = results.get("teacher_level", TEACHER_LEVEL)
     ret = {k: float(np.mean(v["retention"])) for k, v in cells.items()}
     mean_ret = float(np.mean(list(ret.values())))
     worst = min(ret, key=ret.get)
     beats = [k for k, v in cells.items() if np.mean(v["student"]) > np.mean(v["merge"])]
     # Teacher-level speed is only measurable where the SFT start is below the level: where
     # it already holds it, "reaching" it takes no training and says nothing about OPD.
-    lvl = c.teacher_level
     measurable = [k for k, v in cells.items() if np.mean(v["sft"]) < lvl * np.mean(v["teacher"])]
     fast_ok = [k for k in measurable
                if all(x is not None and x * 5 <= y
@@ -300,7 +303,7 @@ def claims(c, cells: dict, domains: dict, efforts) -> list[dict]:
                   f"of {n})",
          "pass": len(beats) > n // 2, "measured": f"{len(beats)} of {n}"
                                                     + merge_reason(cells, better, n)},
-        {"claim": f"OPD reaches {c.teacher_level:.0%} of teacher level in <= 1/5 of the "
+        {"claim": f"OPD reaches {lvl:.0%} of teacher level in <= 1/5 of the "
                   "optimizer steps the teacher took from the shared cold start (its "
                   "specialist SFT and RL), every seed",
          "pass": bool(measurable) and len(fast_ok) == len(measurable),
@@ -312,7 +315,7 @@ def claims(c, cells: dict, domains: dict, efforts) -> list[dict]:
     ladder = [e for e in ("max", "high", "low") if e in efforts]
     for who in ("teacher", "student"):
         for d in domains:
-            m = [float(np.mean(cells[f"{d}/{e}"][who])) for e in ladder]
+            m = [float(np.mean(cells[envs.cell_name(d, e)][who])) for e in ladder]
             out.append({"claim": f"effort axis ({who}, {d}): {' > '.join(ladder)} at the "
                                  f"evaluation difficulty",
                         "pass": all(a > b for a, b in zip(m, m[1:])),

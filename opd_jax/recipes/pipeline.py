@@ -27,7 +27,12 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 
+import jax
 import ml_collections
+
+from opd_jax.models import ModelRef, save_pretrained
+from opd_jax.teachers import merge_models
+from opd_jax.trainers import run_policy, run_sft
 
 log = logging.getLogger(__name__)
 KINDS = ("sft", "grpo", "opd", "merge")
@@ -61,12 +66,10 @@ class CompileClock:
             self.trace_s += duration
 
     def __enter__(self):
-        import jax
         jax.monitoring.register_event_duration_secs_listener(self._listen)
         return self
 
     def __exit__(self, *exc):
-        import jax
         jax.monitoring.unregister_event_duration_listener(self._listen)
 
     def record(self) -> dict:
@@ -179,12 +182,10 @@ def run_stage(stage: Stage, workdir: str, *, progress: bool = True) -> dict:
     t0 = time.time()
     with CompileClock() as clock:
         if stage.kind == "sft":
-            from opd_jax.trainers.run_sft import train_sft
-            out = train_sft(cfg, out_dir, progress=progress)
+            out = run_sft.train_sft(cfg, out_dir, progress=progress)
             record = {"optimizer_steps": int(out["step"]), "iterations": int(out["step"])}
         elif stage.kind in ("grpo", "opd"):
-            from opd_jax.trainers.run_policy import train_policy
-            out = train_policy(cfg, out_dir, progress=progress)
+            out = run_policy.train_policy(cfg, out_dir, progress=progress)
             record = {"iterations": int(cfg.train.steps),
                       "optimizer_steps": int(cfg.train.steps * cfg.rl.ppo_epochs *
                                              cfg.rl.minibatches)}
@@ -200,11 +201,9 @@ def run_stage(stage: Stage, workdir: str, *, progress: bool = True) -> dict:
 
 
 def _merge(stage: Stage, cfg, workdir: str, out_dir: str) -> dict:
-    from opd_jax.models import save_pretrained
-    from opd_jax.teachers import TeacherSpec, merge_models
     keys = sorted(stage.teachers)
-    models = [TeacherSpec(stage_dir(workdir, stage.teachers[k])).load() for k in keys]
-    base = TeacherSpec(stage_dir(workdir, stage.init_from)).load() if stage.init_from else None
+    models = [ModelRef(stage_dir(workdir, stage.teachers[k])).load() for k in keys]
+    base = ModelRef(stage_dir(workdir, stage.init_from)).load() if stage.init_from else None
     weights = [cfg.weights[k] for k in keys] if cfg.get("weights") else None
     merged = merge_models(models, weights=weights, method=cfg.method, base=base,
                           scale=cfg.get("scale", 1.0))

@@ -1,5 +1,16 @@
 """Evaluation of experiment stages, results tables (JSON and markdown) and plots.
 
+`report` is every recipe's report; a recipe module supplies the recipe-specific parts:
+
+* ``build(c, seed) -> [Stage]``: the stages of one seed;
+* ``collect(c, workdir, seeds, tokenizer) -> results``: evaluates the stages
+  (`evaluate_stage`) into the results dict (no claims, no provenance). Its key order is
+  results.json's; "claims" and "provenance" follow unless it holds a ``"provenance": None``
+  placeholder where results.json keeps it;
+* ``claims(results) -> [claim]``: the claims, from the results dict alone;
+* ``write_markdown(path, results)``: results.md, from the results dict alone;
+* ``plot(c, workdir, results)``: its PNG figures.
+
 Each evaluated (stage, cells, difficulty) is cached in the stage folder as
 ``eval_<tag>.json``, so re-running a finished experiment only rebuilds its report.
 The plots (``plot_curves``, ``plot_bars``) are :mod:`opd_jax.plotting.recipes`'.
@@ -8,21 +19,47 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import time
 from collections.abc import Sequence
 
 import numpy as np
 
+from opd_jax import envs
+from opd_jax.episodes import SamplingConfig
+from opd_jax.models import ModelRef
 from opd_jax.plotting.recipes import plot_bars, plot_curves  # noqa: F401  (rp.plot_*)
-from opd_jax.recipes.pipeline import stage_dir
+from opd_jax.recipes.pipeline import read_done, stage_dir
+from opd_jax.trainers.evaluate import evaluate_tasks, heldout_tasks
+from opd_jax.trainers.metrics import read_metrics
+
+# The source checkout (git) whose commit results record (`code_commit`).
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def report(recipe, c, workdir: str, seeds: Sequence[int], tokenizer) -> dict:
+    """Evaluate every seed's stages and write results.json, results.md and the plots of
+    `recipe` (a recipe module: the protocol above); returns the results dict.
+
+    Every model is evaluated greedily on the same held-out problems (the eval split, drawn
+    by ``c.eval.seed``), so differences are paired per problem; the claims are computed by
+    ``recipe.claims`` from what goes into results.json."""
+    t0 = time.time()
+    seeds = list(seeds)
+    results = recipe.collect(c, workdir, seeds, tokenizer)
+    stage_names = [s.name for s in recipe.build(c, seeds[0]) if s.kind != "merge"]
+    results["claims"] = recipe.claims(results)
+    results["provenance"] = (provenance(workdir, seeds, stage_names)
+                             | {"eval_wall_s": round(time.time() - t0, 1)})
+    write_json(os.path.join(workdir, "results.json"), results)
+    recipe.write_markdown(os.path.join(workdir, "results.md"), results)
+    recipe.plot(c, workdir, results)
+    return results
 
 
 def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]], ev, *,
                    tokenizer, difficulty: int, tag: str = "") -> dict[str, dict]:
     """{cell: row} of stage `name` on `cells` ((domain, family, effort) triples), cached."""
-    from opd_jax import envs
-    from opd_jax.teachers import TeacherSpec
-    from opd_jax.trainers.episodes import SamplingConfig
-    from opd_jax.trainers.evaluate import heldout_tasks, evaluate_tasks
     tag = tag or f"d{difficulty}_" + "_".join(f"{d}-{e}" for d, _, e in cells)
     path = os.path.join(stage_dir(workdir, name), f"eval_{tag}.json")
     if os.path.isfile(path):
@@ -32,7 +69,7 @@ def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]
     for domain, fam, effort in cells:
         tasks += heldout_tasks({domain: fam}, (effort,), n=ev.n, seed=ev.seed,
                                difficulty=difficulty)
-    model = TeacherSpec(stage_dir(workdir, name)).load()
+    model = ModelRef(stage_dir(workdir, name)).load()
     rows = evaluate_tasks(model, tokenizer, tasks, SamplingConfig(**dict(ev.sampling)),
                           seed=ev.seed, batch_size=ev.batch_size)
     out = {r["cell"]: r for r in rows}
@@ -87,18 +124,30 @@ def paired(a: Sequence[float], b: Sequence[float]) -> dict:
     return {"diff": float(d.mean()) if len(d) else float("nan"), "se": se, "n": int(len(d))}
 
 
+def code_commit() -> str:
+    """The short commit of the code a result was measured with; "-dirty" when the package,
+    the studies or the experiment configs differ from it (uncommitted changes that could
+    move results)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "opd_jax", "studies",
+                                "experiments/*/config.py"], cwd=REPO).returncode == 0
+        return head if clean else head + "-dirty"
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def write_provenance(workdir: str, command: str) -> None:
     """Record the command and commit of an experiment invocation (`provenance`)."""
-    from opd_jax.recipes.base_model import _commit
     write_json(os.path.join(workdir, "provenance.json"), {"command": command,
-                                                          "commit": _commit()})
+                                                          "commit": code_commit()})
 
 
 def provenance(workdir: str, seeds: Sequence[int], stage_names: Sequence[str]) -> dict:
     """Command, commit and wall time of an experiment: the last invocation's command and
     commit (``provenance.json``, written by `run_experiment`) and the summed wall seconds of
     its stages over seeds (each stage's ``done.json``: a resumed run counts each stage once)."""
-    from opd_jax.recipes.pipeline import read_done
     path = os.path.join(workdir, "provenance.json")
     meta = {"command": "unknown", "commit": "unknown"}
     if os.path.isfile(path):
@@ -141,7 +190,6 @@ def write_json(path: str, obj) -> None:
 
 def curve(workdir: str, stage: str, key: str) -> tuple[list[int], list[float]]:
     """(iterations, values) of a logged metric of a stage (held-out rewards are sparse)."""
-    from opd_jax.trainers.metrics import read_metrics
     pts = {}
     for m in read_metrics(stage_dir(workdir, stage)):
         if key in m:

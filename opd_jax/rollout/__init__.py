@@ -1,6 +1,7 @@
 """Rollout engine: a jit sampler with KV cache, per-token sampler log-probs, stop ids and
-strings, per-row max_new_tokens and think budgets, pause/resume and a token write-ahead log.
-Multi-turn episodes with environments run on it through `opd_jax.trainers.episodes.play`.
+strings, per-row max_new_tokens and think budgets, and pause/resume. Multi-turn episodes
+with environments (and their token write-ahead log) run on it through
+`opd_jax.episodes.play`.
 
     from opd_jax.rollout import generate
     res = generate(model, [[1, 5, 7]], max_new_tokens=32, temperature=0.7, seed=0)

@@ -11,26 +11,18 @@ Letters: B batch, P prompt columns, S cache slots, L packed length (= S).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from opd_jax.distributed import fetch
 from opd_jax.rollout import engine
+from opd_jax.shapes import bucket
 from opd_jax.rollout.sampling import NO_BUDGET, NO_TOKEN, FinishReason, SamplingParams
 
 FINISH_NAMES = {int(r): r.name.lower() for r in FinishReason}
 ALL_STEPS = (1 << 31) - 1
-
-
-def bucket(n: int, multiple: int) -> int:
-    """Round up to a power of two below `multiple`, else to a multiple of it (fewer compiles)."""
-    if n <= multiple:
-        return 1 << max(0, math.ceil(math.log2(max(n, 1))))
-    return -(-n // multiple) * multiple
 
 
 def align_right(prompt_BxP, prompt_lens_B, padding: str = "left"):
@@ -156,14 +148,14 @@ def check_prompts(prompts, vocab_size: int) -> None:
 def generate(model, prompts: list[list[int]], *, max_new_tokens, temperature=1.0, top_k=0,
              top_p=1.0, stop_token_ids=(), stop_strings=(), tokenizer=None, seed=0,
              think_budget=None, think_token_ids=None, max_len=None, row_ids=None,
-             steps_per_call=None, wal_path=None, mesh=None) -> GenerateResult:
+             steps_per_call=None, mesh=None) -> GenerateResult:
     """Sample continuations of `prompts` (lists of ids); see `sample` for the semantics.
 
     max_new_tokens / think_budget: an int or one per prompt (think budget None = none;
     it needs `think_token_ids` or a tokenizer with <think>/</think>). max_len: cache slots
     (default: bucketed longest prompt + max_new_tokens + 1). steps_per_call: decode in
-    chunks of this many steps (paused rows resume); with `wal_path`, each chunk's tokens
-    are logged to a token write-ahead log and a killed run resumes from it (see `wal`).
+    chunks of this many steps (paused rows resume). (A killed rollout resumes from a token
+    log in the episode runner, `opd_jax.episodes.play(wal_path=)`.)
     mesh: shard rows and the cache on it (the model should be sharded on it too).
     """
     check_prompts(prompts, model.config.vocab_size)
@@ -201,14 +193,8 @@ def generate(model, prompts: list[list[int]], *, max_new_tokens, temperature=1.0
     common = dict(seed=seed, max_new_B=np.array(max_new, np.int32), max_len=max_len,
                   think_budget_B=budget_B, row_ids_B=row_ids)
     if mesh is not None:
-        if wal_path is not None:
-            raise ValueError("mesh= with wal_path= is not supported; log per host instead")
         common["mesh"] = mesh
-    if wal_path is not None:
-        from opd_jax.rollout.wal import generate_logged
-        batch = generate_logged(model, prompt_BxP, lens_B, params, wal_path=wal_path,
-                                steps_per_call=steps_per_call or 16, **common)
-    elif steps_per_call:
+    if steps_per_call:
         batch, state = sample(model, prompt_BxP, lens_B, params, max_steps=steps_per_call,
                               **common)
         while bool(jnp.any(state.active_B)):

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 from jax import lax
 
+from opd_jax import sharding as sh
 from opd_jax.models.transformer import KVCache
 from opd_jax.rollout.sampling import (
     NO_BUDGET,
@@ -117,7 +118,6 @@ def init_state(model, batch: int, max_len: int, seed: int = 0, *, row_ids_B=None
 def shard_state(state: RolloutState, mesh, rules=None) -> RolloutState:
     """Place a state on `mesh`: rows over the batch axes, cache kv heads over tensor, the
     rest replicated (the same mesh and rules as training)."""
-    from opd_jax import sharding as sh
     rules = sh.DEFAULT_RULES if rules is None else rules
 
     def put(x):

@@ -18,6 +18,8 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from opd_jax.shapes import bucket
+
 F32 = jnp.float32
 NO_TOKEN = -1  # padding in stop-id / stop-sequence tables: never equals a real token
 MAX_STOP_IDS, MAX_STOP_SEQS, MAX_STOP_LEN = 8, 4, 8  # default table shapes (grow on demand)
@@ -30,14 +32,6 @@ class FinishReason(enum.IntEnum):
     STOP = 1    # sampled a stop id or completed a stop string (included in the output)
     LENGTH = 2  # hit its max_new_tokens or the end of the cache
     BUDGET = 3  # paused by the per-call step budget; resumable
-
-
-def _bucket(n: int, floor: int) -> int:
-    """Smallest power of two >= max(n, floor): table shapes change rarely."""
-    size = floor
-    while size < n:
-        size *= 2
-    return size
 
 
 @struct.dataclass
@@ -76,10 +70,10 @@ class SamplingParams:
         seqs = [list(map(int, s)) for s in stop_sequences]
         if any(len(s) == 0 for s in seqs):
             raise ValueError("a stop sequence is empty; expected at least one token")
-        ids_N = np.full(_bucket(len(stop_ids), MAX_STOP_IDS), NO_TOKEN, np.int32)
+        ids_N = np.full(bucket(max(len(stop_ids), MAX_STOP_IDS), 64), NO_TOKEN, np.int32)
         ids_N[:len(stop_ids)] = stop_ids
-        M = _bucket(max((len(s) for s in seqs), default=0), MAX_STOP_LEN)
-        seqs_QxM = np.full((_bucket(len(seqs), MAX_STOP_SEQS), M), NO_TOKEN, np.int32)
+        M = bucket(max(max((len(s) for s in seqs), default=0), MAX_STOP_LEN), 64)
+        seqs_QxM = np.full((bucket(max(len(seqs), MAX_STOP_SEQS), 64), M), NO_TOKEN, np.int32)
         lens_Q = np.zeros(seqs_QxM.shape[0], np.int32)
         for i, s in enumerate(seqs):
             seqs_QxM[i, M - len(s):] = s

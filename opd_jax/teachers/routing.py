@@ -17,18 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 
+from opd_jax.envs import cell_name
+
 ROUTINGS = ("cell", "domain", "table", "mixture")
 WEIGHT_TOL = 1e-6
 
 
 def _lookup(mapping: Mapping, domain: str, effort: str):
-    return mapping.get(f"{domain}/{effort}", mapping.get(domain))
+    return mapping.get(cell_name(domain, effort), mapping.get(domain))
 
 
 def teacher_weights(domain: str, effort: str, routing: str, *, table: Mapping | None = None,
                     weights: Mapping | None = None) -> dict[str, float]:
     """Teacher weights ``{key: w}`` of one (domain, effort) cell."""
-    cell = f"{domain}/{effort}"
+    cell = cell_name(domain, effort)
     if routing == "cell":
         return {cell: 1.0}
     if routing == "domain":
@@ -71,7 +73,8 @@ def check_routing(cells: Iterable[tuple[str, str]], bank_keys: Sequence[str], ro
         w = teacher_weights(domain, effort, routing, table=table, weights=weights)
         missing = sorted(set(w) - set(bank_keys))
         if missing:
-            raise KeyError(f"no teacher for (domain, effort) '{domain}/{effort}': routing "
-                           f"{routing!r} asks for {missing}, the bank has {sorted(bank_keys)}")
-        out[f"{domain}/{effort}"] = w
+            raise KeyError(f"no teacher for (domain, effort) {cell_name(domain, effort)!r}: "
+                           f"routing {routing!r} asks for {missing}, the bank has "
+                           f"{sorted(bank_keys)}")
+        out[cell_name(domain, effort)] = w
     return out

@@ -2,7 +2,7 @@
 
     scorer = TeacherScorer(bank, tokenizer, kind="logp", role="student", chunk_rows=8)
     scored = scorer(episodes, weights, student_seqs)        # {key: (rows, values, W)}
-    fields, unembeddings = teacher_fields(scored, weights, kind="logp")
+    scores = teacher_fields(scored, weights, kind="logp")   # TeacherScores
 
 `kind` is what the objective declares it needs (`objectives.Needs.teacher`): "logp", the
 teacher's log-probs of the student's sampled tokens [B, T], or "hidden", its last-layer
@@ -17,6 +17,7 @@ a mesh spanning several processes never reads a non-addressable array on the hos
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -24,21 +25,31 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from opd_jax import envs
+from opd_jax import envs, losses
 from opd_jax import sharding as sh
 from opd_jax.distributed import settle
+from opd_jax.episodes import align_to_student, build_sequences, prompt_ids
+from opd_jax.shapes import bucket
 from opd_jax.teachers.bank import TeacherBank
-from opd_jax.trainers.episodes import encode
-from opd_jax.trainers.policy import teacher_outputs
-from opd_jax.trainers.sequences import align_to_student, bucket, build_sequences
 
 # What a scoring forward reads from a sequence batch.
 MODEL_INPUTS = ("inputs", "targets", "segment_ids")
 KINDS = ("logp", "hidden")
 
 
-def in_row_chunks(fn, batch: dict, rows: int):
+def teacher_outputs(params, rest, batch: dict, *, graphdef, kind: str = "logp") -> jax.Array:
+    """A teacher's view of its own batch: target log-probs [B, T] or hidden [B, T, E]."""
+    model = nnx.merge(graphdef, params, rest)
+    if kind == "hidden":
+        return model(batch["inputs"], segment_ids_BxT=batch["segment_ids"], return_hidden=True)
+    logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+    return losses.token_logprobs(logits_BxTxV, batch["targets"])
+
+
+def in_row_chunks(fn, batch: dict, rows: int, take=None):
     """``fn`` on consecutive `rows`-row slices of `batch`, outputs concatenated along rows.
+    `take(batch, idx)`: how a slice is cut (default: indexing; a run on a mesh passes
+    `Layout.take_rows`, which gathers it on device in the batch sharding).
 
     The no-grad scoring passes (old / reference log-probs, teachers) run one training
     minibatch of rows at a time, so their [rows, T, V] logits never exceed what the train
@@ -48,7 +59,10 @@ def in_row_chunks(fn, batch: dict, rows: int):
     if rows <= 0 or B % rows:
         raise ValueError(f"scoring chunk of {rows} rows for a batch of {B}: expected a "
                          f"positive divisor of {B}")
-    outs = [fn(jax.tree.map(lambda x: x[i:i + rows], batch)) for i in range(0, B, rows)]
+    if take is None:
+        outs = [fn(jax.tree.map(lambda x: x[i:i + rows], batch)) for i in range(0, B, rows)]
+    else:
+        outs = [fn(take(batch, np.arange(i, i + rows))) for i in range(0, B, rows)]
     return jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs) if len(outs) > 1 else outs[0]
 
 
@@ -116,7 +130,6 @@ class TeacherScorer:
             raise ValueError(f"teacher scoring of {B} student rows on mesh "
                              f"{dict(self.mesh.shape)}: expected a multiple of its "
                              f"{self.shards} batch shards")
-        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         out = {}
         # Teachers already in the cache first: with a cache smaller than the bank, a fixed
         # order would evict each teacher just before it is needed again (every access a miss).
@@ -127,13 +140,13 @@ class TeacherScorer:
             graphdef, params, rest = nnx.split(teacher, nnx.Param, ...)
             chunk = self._chunk(len(rows))
             padded = rows + rows[:1] * (-len(rows) % chunk)
-            prompts = [bos + encode(self.tokenizer, envs.render_prompt(episodes[b].task,
-                                                                        role=self.role))
+            prompts = [prompt_ids(self.tokenizer, envs.render_prompt(episodes[b].task,
+                                                                      role=self.role))
                        for b in padded]
             responses = [episodes[b].response_ids for b in padded]
             # Row length bucketed (one compile per teacher shape and bucket).
             tseq = build_sequences(prompts, responses, seq_len=bucket(
-                max(len(p) + len(r) for p, r in zip(prompts, responses)) - 1))
+                max(len(p) + len(r) for p, r in zip(prompts, responses)) - 1, 16))
             fn = self._fn(graphdef, params, rest)
             inputs = {k: tseq[k] for k in MODEL_INPUTS}
             chunks = [settle(fn(params, rest, self._place(jax.tree.map(
@@ -152,8 +165,18 @@ class TeacherScorer:
         return batch if self.mesh is None else sh.shard_batch(batch, self.mesh, self.rules)
 
 
-def teacher_fields(scored: dict, weights: list[dict], kind: str) -> tuple[list, dict, tuple]:
-    """(slot order, batch fields, teacher unembeddings) from a `TeacherScorer` result.
+@dataclasses.dataclass
+class TeacherScores:
+    """One iteration's teacher signal, as the objective reads it: `order` (slot s is the
+    teacher `order[s]`, sorted keys), the batch `fields` and, for the hidden-state signal,
+    the teachers' `unembeddings` [E_s, V] (the train step's `teachers` argument)."""
+    order: list[str]
+    fields: dict
+    unembeddings: tuple = ()
+
+
+def teacher_fields(scored: dict, weights: list[dict], kind: str) -> TeacherScores:
+    """The `TeacherScores` of a `TeacherScorer` result.
 
     Slot s is the s-th teacher key in sorted order (stable within an iteration).
     kind "logp":   teacher_logp [B, T] (each row from its one teacher), teacher_onehot [B, S].
@@ -168,16 +191,16 @@ def teacher_fields(scored: dict, weights: list[dict], kind: str) -> tuple[list, 
     if kind == "logp":
         if not scored:
             fields["teacher_logp"] = np.zeros((len(weights), 0), np.float32)
-            return order, fields, ()
+            return TeacherScores(order, fields)
         routed_SxB = np.zeros((len(order), len(weights)), bool)
         for s, key in enumerate(order):
             routed_SxB[s, scored[key][0]] = True
         vals = tuple(scored[k][1] for k in order)
         fields["teacher_logp"] = settle(_rows_from_teachers(vals, _like(routed_SxB, vals[0])))
-        return order, fields, ()
+        return TeacherScores(order, fields)
     fields["teacher_hidden"] = tuple(scored[k][1] for k in order)
     fields["teacher_weights"] = onehot
-    return order, fields, tuple(scored[k][2] for k in order)
+    return TeacherScores(order, fields, tuple(scored[k][2] for k in order))
 
 
 @jax.jit

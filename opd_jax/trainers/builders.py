@@ -9,17 +9,19 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
+from opd_jax import envs
 from opd_jax import sharding as sh
-
-
-def build_tokenizer(spec: str):
-    from opd_jax.models import load_tokenizer, synthetic_tokenizer
-    return synthetic_tokenizer() if spec == "synthetic" else load_tokenizer(spec)
+from opd_jax.data.corpus import demo_example, pretraining_corpus
+from opd_jax.data.sft import make_sft_dataset, read_jsonl, scan_examples
+from opd_jax.data.synthetic import synthetic_examples
+from opd_jax.models import (ModelConfig, ModelRef, Transformer, build_tokenizer,
+                            check_tokenizer, check_tokenizer_fits, load_pretrained,
+                            tokenizer_fingerprint)
+from opd_jax.trainers.judge import check_judge
 
 
 def model_config_from(m: ml_collections.ConfigDict):
     """ModelConfig from a config section (``init_from`` is not a model field)."""
-    from opd_jax.models import ModelConfig
     fields = {k: v for k, v in m.to_dict().items() if k != "init_from"}
     return ModelConfig.from_dict(fields)
 
@@ -53,14 +55,11 @@ def setup(cfg: ml_collections.ConfigDict):
     tokenizer = build_tokenizer(cfg.tokenizer)
     model_config = planned_model_config(cfg.model)
     check_config(cfg, model_config)
-    from opd_jax.models import check_tokenizer_fits
     check_tokenizer_fits(tokenizer, model_config)
     if cfg.model.init_from:
-        from opd_jax.teachers.bank import TeacherSpec, check_tokenizer
-        check_tokenizer(TeacherSpec(cfg.model.init_from), tokenizer, cfg.tokenizer,
+        check_tokenizer(ModelRef(cfg.model.init_from), tokenizer, cfg.tokenizer,
                         what="model.init_from")
     if "rewards" in cfg:    # policy runs: the generative reward model, configs only
-        from opd_jax.trainers.judge import check_judge
         check_judge(cfg.rewards.judge, vocab_size=model_config.vocab_size, tokenizer=tokenizer,
                     tokenizer_spec=cfg.tokenizer)
     return mesh, rules, tokenizer, model_config
@@ -68,7 +67,6 @@ def setup(cfg: ml_collections.ConfigDict):
 
 def tokenizer_meta(spec: str, tokenizer) -> dict:
     """The tokenizer identity recorded in every checkpoint's meta."""
-    from opd_jax.teachers.bank import tokenizer_fingerprint
     return {"spec": str(spec), "fingerprint": tokenizer_fingerprint(tokenizer)}
 
 
@@ -117,14 +115,6 @@ def check_config(cfg: ml_collections.ConfigDict, model_config) -> None:
                   f"fewer than model.max_position_embeddings={max_pos}")
             _need(sp.temperature >= 0, f"{name}.temperature", sp.temperature, "a number >= 0")
             _need(sp.max_turns >= 1, f"{name}.max_turns", sp.max_turns, "an int >= 1")
-        o = cfg.get("objective")
-        if (o is not None and o.name == "kimi_mopd" and not o.options.get("ppo", False)
-                and cfg.rl.ppo_epochs > 1):
-            raise ValueError(f"rl.ppo_epochs={cfg.rl.ppo_epochs} with kimi_mopd ppo=False: a "
-                             f"second pass over the batch would use r_t and the gradient of "
-                             f"a policy that no longer sampled it; expected ppo_epochs=1, or "
-                             f"--config.objective.options.ppo=True (importance-sampled reuse "
-                             f"with the PPO ratio and the IcePop gate)")
         if r.sampling.temperature == 0:
             warnings.warn("rollout.sampling.temperature=0: RL samples greedily, so the "
                           "sampler's log-probs are 0 and IcePop/TIS mask (nearly) every token "
@@ -150,8 +140,7 @@ def planned_model_config(m: ml_collections.ConfigDict):
     With ``init_from`` the architecture (and an opd_jax checkpoint's param dtype) is the
     checkpoint's; the compute dtype and ``remat`` are always the section's."""
     if m.init_from:
-        from opd_jax.teachers import TeacherSpec
-        spec = TeacherSpec(m.init_from)
+        spec = ModelRef(m.init_from)
         config = spec.model_config().replace(dtype=m.dtype, remat=_remat(m))
         # HF weights are cast to param_dtype on load; opd_jax runs keep their own.
         return config.replace(param_dtype=m.param_dtype) if spec.kind == "hf" else config
@@ -160,12 +149,9 @@ def planned_model_config(m: ml_collections.ConfigDict):
 
 def build_model(m: ml_collections.ConfigDict, mesh: Mesh, rules, *, seed: int) -> nnx.Module:
     """Random init straight into shardings, or load ``m.init_from`` (an HF folder)."""
-    from opd_jax.models import Transformer
     if m.init_from:
-        from opd_jax.teachers import TeacherSpec
-        spec = TeacherSpec(m.init_from, dtype=m.dtype, remat=_remat(m))
+        spec = ModelRef(m.init_from, dtype=m.dtype, remat=_remat(m))
         if spec.kind == "hf":
-            from opd_jax.models import load_pretrained
             return load_pretrained(spec.path, dtype=m.dtype, param_dtype=m.param_dtype,
                                    mesh=mesh, rules=rules, remat=_remat(m))
         return sh.shard_model(spec.load(), mesh, rules)
@@ -174,15 +160,12 @@ def build_model(m: ml_collections.ConfigDict, mesh: Mesh, rules, *, seed: int) -
 
 
 def build_sft_dataset(d: ml_collections.ConfigDict, tokenizer):
-    from opd_jax.data.sft import make_sft_dataset, read_jsonl, scan_examples
-    from opd_jax.data.synthetic import synthetic_examples
     if d.source == "synthetic":
         examples = synthetic_examples(d.task, num_examples=d.num_examples, seed=d.seed,
                                       max_digits=d.max_digits)
     elif d.source == "tasks":
         examples = task_demo_examples(d.tasks)
     elif d.source == "corpus":
-        from opd_jax.data.corpus import pretraining_corpus
         examples = pretraining_corpus(per_cell=d.corpus.per_cell,
                                       testbed_per_cell=d.corpus.testbed_per_cell, seed=d.seed)
     elif d.source == "jsonl":
@@ -206,7 +189,7 @@ def task_cells(t: ml_collections.ConfigDict) -> list[tuple[str, str, str]]:
     only = tuple(t.get("cells", ()) or ())
     if not only:
         return grid
-    names = {f"{d}/{e}": (d, fam, e) for d, fam, e in grid}
+    names = {envs.cell_name(d, e): (d, fam, e) for d, fam, e in grid}
     unknown = [c for c in only if c not in names]
     if unknown:
         raise ValueError(f"tasks.cells {unknown} are not in the families x efforts grid "
@@ -218,8 +201,6 @@ def task_demo_examples(t: ml_collections.ConfigDict) -> list[dict]:
     """SFT cold-start data: each train-split task's student prompt and its family's demo
     (`data.corpus.demo_example`: tool observations kept in context, not trained), over the
     families x efforts grid or only its `t.cells` (as the policy trainers read them)."""
-    from opd_jax import envs
-    from opd_jax.data.corpus import demo_example
     for d, fam, _ in task_cells(t):
         if envs.get_family(fam).domain != d:
             raise ValueError(f"family {fam!r} is in domain {envs.get_family(fam).domain!r}, "

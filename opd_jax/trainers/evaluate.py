@@ -24,7 +24,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from opd_jax import envs
-from opd_jax.trainers.episodes import SamplingConfig, cell_of, play
+from opd_jax.envs import cell_of
+from opd_jax.episodes import SamplingConfig, play
+from opd_jax.models import ModelRef, build_tokenizer, check_tokenizer_fits
 
 COLUMNS = ("cell", "domain", "effort", "family", "difficulty", "n", "reward", "pass_rate",
            "length")
@@ -159,10 +161,7 @@ def write_rows(rows: Sequence[dict], out_dir: str, name: str = "eval") -> tuple[
 
 def evaluate_checkpoint(path: str, cfg, *, out_dir: str | None = None) -> list[dict]:
     """Load an HF folder or an opd_jax workdir and evaluate it as `cfg` (configs/eval.py) says."""
-    from opd_jax.trainers.builders import build_tokenizer
-    from opd_jax.teachers import TeacherSpec
-    from opd_jax.models import check_tokenizer_fits
-    spec = TeacherSpec(path)
+    spec = ModelRef(path)
     tokenizer = build_tokenizer(cfg.tokenizer)
     check_tokenizer_fits(tokenizer, spec.model_config())
     model = spec.load()

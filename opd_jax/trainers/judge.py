@@ -34,7 +34,9 @@ import numpy as np
 from opd_jax import envs
 from opd_jax.envs import parsing
 from opd_jax.envs.rewards import DEFAULT_RUBRIC
-from opd_jax.trainers.episodes import encode
+from opd_jax.episodes import encode, prompt_ids
+from opd_jax.models import ModelRef, check_tokenizer
+from opd_jax.rollout import generate
 
 KEYS = ("path", "rubric", "weight", "max_new_tokens", "include_reference", "batch_size")
 
@@ -73,9 +75,8 @@ def check_judge(j, *, vocab_size: int | None = None, tokenizer=None,
         _need(isinstance(v, int) and not isinstance(v, bool) and v >= 1, key, v, "an int >= 1")
     _need(isinstance(j.get("include_reference", False), bool), "include_reference",
           j.get("include_reference"), "True or False")
-    from opd_jax.teachers.bank import TeacherSpec, check_tokenizer
     try:
-        spec = TeacherSpec(path)
+        spec = ModelRef(path)
     except (ValueError, KeyError, FileNotFoundError) as e:
         raise ValueError(f"rewards.judge.path={path!r}: {e}") from None
     if not os.path.exists(spec.path):
@@ -110,24 +111,21 @@ class JudgeReward:
         self.rm = envs.GenerativeRewardModel(self.generate, rubric=rubric,
                                              batch_size=batch_size,
                                              include_reference=include_reference)
-        self.bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
         self.max_pos = getattr(model.config, "max_position_embeddings", None)
 
     @classmethod
     def from_config(cls, j, tokenizer) -> "JudgeReward | None":
         if not j.get("path", ""):
             return None
-        from opd_jax.teachers.bank import TeacherSpec
-        return cls(TeacherSpec(j.path).load(), tokenizer, rubric=j.rubric,
+        return cls(ModelRef(j.path).load(), tokenizer, rubric=j.rubric,
                    max_new_tokens=j.max_new_tokens, include_reference=j.include_reference,
                    batch_size=j.batch_size)
 
     def _ids(self, text: str) -> list[int]:
-        return self.bos + encode(self.tok, text)
+        return prompt_ids(self.tok, text)
 
     def generate(self, prompts: list[str]) -> list[str]:
         """The judge's greedy verdicts for rendered prompts (the rollout engine, one call)."""
-        from opd_jax.rollout.api import generate
         eos = self.tok.eos_token_id
         res = generate(self.model, [self._ids(p) for p in prompts],
                        max_new_tokens=self.max_new_tokens, temperature=0.0,
@@ -148,7 +146,7 @@ class JudgeReward:
                              f"max_position_embeddings={self.max_pos} with "
                              f"rewards.judge.max_new_tokens={self.max_new_tokens}; expected "
                              f"a shorter rubric or a judge with more positions")
-        ids = list(self.tok.encode(answer, add_special_tokens=False))
+        ids = encode(self.tok, answer)
         if len(ids) <= room:
             return answer, False
         return self.tok.decode(ids[:room], skip_special_tokens=False), True

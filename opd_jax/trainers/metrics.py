@@ -52,7 +52,7 @@ class MetricsWriter:
                 self._open_tb(int(resume_step) + 1 if self._resumed else None)
 
     def _open_tb(self, purge_step: int | None) -> None:
-        from tensorboardX import SummaryWriter
+        from tensorboardX import SummaryWriter   # lazy: start-up time (imports protobuf)
         # tensorboardX names event files by the second; the ns suffix keeps a quick resume
         # from overwriting the previous run's file (and sorts after it)
         self._tb = SummaryWriter(os.path.join(self._dir, "tb"), purge_step=purge_step,

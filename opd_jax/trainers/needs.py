@@ -1,5 +1,5 @@
-"""What each policy objective declares (`Needs`), the objective registry, and where the
-fused full-vocabulary kernel splits its work on a mesh (`VocabParallel`).
+"""What each policy objective declares (`Needs`) and where the fused full-vocabulary kernel
+splits its work on a mesh (`VocabParallel`). The registry is in `opd_jax.trainers.objectives`.
 
 The policy driver (`opd_jax.trainers.run_policy`) reads an objective's `Needs` to decide
 what to build (teacher log-probs or hidden states, a reference model, old log-probs, the
@@ -10,14 +10,34 @@ an objective's name. The objectives themselves live in `opd_jax.trainers.objecti
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, TypedDict
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from opd_jax import sharding as sh
 
-OBJECTIVES: dict[str, type] = {}
-
 TEACHER_KINDS = ("none", "logp", "hidden")
+
+Array = Any   # a jax.Array or numpy array of B rows
+
+
+class PolicyBatch(TypedDict, total=False):
+    """The batch of one policy iteration (rows B, targets T, teacher slots S), as the
+    objectives read it: the sequence fields every batch has, then what `Needs` adds."""
+    inputs: Array             # [B, T] int32 (`episodes.build_sequences`)
+    targets: Array            # [B, T] int32
+    mask: Array               # [B, T] 1 on sampled response targets (0: observations, pad)
+    segment_ids: Array        # [B, T]
+    positions: Array          # [B, T]
+    sampler_logp: Array       # [B, T] the rollout engine's log-probs of the sampled tokens
+    adv: Array                # [B] group advantages (a batch-mean baseline at group size 1)
+    old_logp: Array           # [B, T] Needs.old_logp: under the sampler's distribution
+    old_logp_plain: Array     # [B, T] Needs.old_logp: at T = 1
+    ref_logp: Array           # [B, T] Needs.reference on: the frozen initial policy's
+    teacher_logp: Array       # [B, T] Needs.teacher "logp": each row's teacher
+    teacher_onehot: Array     # [B, S] Needs.teacher "logp": the row's slot
+    teacher_hidden: tuple     # S x [B, T, E_s] Needs.teacher "hidden"
+    teacher_weights: Array    # [B, S] Needs.teacher "hidden": weights, sum 1 per row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +143,9 @@ class Needs:
         layout = getattr(objective, "vocab_parallel", None) if self.vocab_parallel else None
         return layout.unembedding_sharding() if layout is not None else NamedSharding(mesh, P())
 
-    def check(self, name: str, cfg) -> None:
-        """Refuse a config this objective cannot run, naming the value and what it expects."""
+    def check(self, name: str, cfg, mixture_objectives: list[str] = ()) -> None:
+        """Refuse a config this objective cannot run, naming the value and what it expects
+        (`mixture_objectives`: the registered ones that allow routing="mixture")."""
         G = cfg.rollout.group_size
         if G < self.min_group_size:
             raise ValueError(f"objective {name!r} needs rollout.group_size >= "
@@ -134,34 +155,10 @@ class Needs:
             return
         routing = cfg.teachers.routing
         if routing == "mixture" and not self.mixture:
-            mix = sorted(n for n, c in OBJECTIVES.items() if c.needs.mixture)
             raise ValueError(f"objective {name!r} scores each episode with one teacher; "
                              f"teachers.routing={routing!r} weights several per episode. Use "
                              f"routing 'cell', 'domain' or 'table', or an objective that "
-                             f"allows mixtures: {mix}")
+                             f"allows mixtures: {sorted(mixture_objectives)}")
         if not dict(cfg.teachers.paths):
             raise ValueError(f"objective {name!r} needs teachers (Needs.teacher="
                              f"{self.teacher!r}); teachers.paths is empty")
-
-
-def register(cls):
-    """Class decorator: add an objective to the registry under ``cls.name``. The class
-    declares ``name: ClassVar[str]`` and ``needs: ClassVar[Needs]``."""
-    if not isinstance(getattr(cls, "needs", None), Needs):
-        raise TypeError(f"objective {cls.__name__}: `needs` must be a Needs(...), got "
-                        f"{getattr(cls, 'needs', None)!r}")
-    if cls.needs.vocab_parallel and "vocab_parallel" not in {
-            f.name for f in dataclasses.fields(cls)}:
-        raise TypeError(f"objective {cls.__name__}: Needs(vocab_parallel=True) needs a field "
-                        f"`vocab_parallel: VocabParallel | None = None` (Needs.on_mesh sets it)")
-    OBJECTIVES[cls.name] = cls
-    return cls
-
-
-def needs_of(name: str) -> Needs:
-    """The `Needs` of the registered objective `name` (e.g. for the scale-up estimator)."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; available: {', '.join(sorted(OBJECTIVES))}")
-    return OBJECTIVES[name].needs
-
-

@@ -4,7 +4,7 @@ Legend: B rows, T targets, V vocab, D student hidden, E teacher hidden, S teache
 
 An objective is a frozen dataclass called as ``objective(model, batch, teachers) ->
 (loss, metrics)`` inside the jitted step. `batch` is a sequence batch
-(:mod:`opd_jax.trainers.sequences`) plus what the objective declares in ``needs`` (a
+(:mod:`opd_jax.episodes.sequences`) plus what the objective declares in ``needs`` (a
 `Needs`; the driver reads it and never switches on names; docs/objectives.md);
 `teachers` is a tuple of teacher unembedding matrices (only the full-vocab objective uses
 it). Sampled-token objectives (grpo, kimi_mopd, glm_cross_stage) score the student with full
@@ -40,9 +40,40 @@ import jax
 import jax.numpy as jnp
 
 from opd_jax import losses
+from opd_jax.losses._checks import check_choice, check_scalar
+from opd_jax.losses.policy import check_ppo_args
+from opd_jax.rollout.sampling import SamplingParams, process_logits
+from opd_jax.trainers.needs import TEACHER_KINDS, Needs, PolicyBatch, VocabParallel  # noqa: F401
 
-from opd_jax.trainers.needs import (OBJECTIVES, TEACHER_KINDS, Needs,  # noqa: F401
-                                    VocabParallel, needs_of, register)
+# The registry: name -> objective class (`register`); `make_objective` builds one.
+OBJECTIVES: dict[str, type] = {}
+
+
+def register(cls):
+    """Class decorator: add an objective to the registry under ``cls.name``. The class
+    declares ``name: ClassVar[str]`` and ``needs: ClassVar[Needs]``."""
+    if not isinstance(getattr(cls, "needs", None), Needs):
+        raise TypeError(f"objective {cls.__name__}: `needs` must be a Needs(...), got "
+                        f"{getattr(cls, 'needs', None)!r}")
+    if cls.needs.vocab_parallel and "vocab_parallel" not in {
+            f.name for f in dataclasses.fields(cls)}:
+        raise TypeError(f"objective {cls.__name__}: Needs(vocab_parallel=True) needs a field "
+                        f"`vocab_parallel: VocabParallel | None = None` (Needs.on_mesh sets it)")
+    OBJECTIVES[cls.name] = cls
+    return cls
+
+
+def needs_of(name: str) -> Needs:
+    """The `Needs` of the registered objective `name` (e.g. for the scale-up estimator)."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; available: {', '.join(sorted(OBJECTIVES))}")
+    return OBJECTIVES[name].needs
+
+
+def check_needs(name: str, cfg) -> None:
+    """`Needs.check` of the registered objective `name` against `cfg`."""
+    mixture = [n for n, c in OBJECTIVES.items() if c.needs.mixture]
+    needs_of(name).check(name, cfg, mixture)
 
 
 def make_objective(name: str, *, sampling=None, **kwargs) -> Any:
@@ -50,6 +81,8 @@ def make_objective(name: str, *, sampling=None, **kwargs) -> Any:
     ``cfg.rollout.sampling``) sets the behaviour distribution of objectives that have one."""
     if name not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; available: {', '.join(sorted(OBJECTIVES))}")
+    kwargs = {k: v.to_dict() if hasattr(v, "to_dict") else v      # config sections
+              for k, v in kwargs.items()}
     fields = {f.name for f in dataclasses.fields(OBJECTIVES[name])}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
@@ -62,7 +95,10 @@ def make_objective(name: str, *, sampling=None, **kwargs) -> Any:
     if "vocab_parallel" in kwargs and OBJECTIVES[name].needs.vocab_parallel:
         raise ValueError(f"objective {name!r}: vocab_parallel comes from the run's mesh "
                          f"(mesh.shape, mesh.rules; Needs.on_mesh); do not set it as an option")
-    return OBJECTIVES[name](**kwargs)
+    try:       # option values are checked here, before any work (their __post_init__)
+        return OBJECTIVES[name](**kwargs)
+    except ValueError as e:
+        raise ValueError(f"objective {name!r}, --config.objective.options: {e}") from None
 
 
 # Log-prob given to a sampled token that the recomputed top-k/top-p set excludes (possible
@@ -108,7 +144,6 @@ def behaviour_logprobs(logits_BxTxV, targets_BxT, behaviour: Behaviour | None) -
     """
     if behaviour is None or behaviour.plain:
         return losses.token_logprobs(logits_BxTxV, targets_BxT)
-    from opd_jax.rollout.sampling import SamplingParams, process_logits
     *lead, V = logits_BxTxV.shape
     n = math.prod(lead)
     params = SamplingParams.create(n, temperature=behaviour.temperature,
@@ -146,20 +181,22 @@ def old_plain_logp(o, batch):
 
 
 def _correction_kwargs(o, batch):
-    return dict(sampler_logp_BxT=batch["sampler_logp"] if o.correction else None,
-                correction=o.correction, icepop_bounds=tuple(o.icepop_bounds),
-                icepop_normalizer=o.icepop_normalizer, tis_cap=o.tis_cap,
-                aggregation=o.aggregation, max_len=o.max_len)
+    return dict(sampler_logp_BxT=batch["sampler_logp"] if o.correction.kind else None,
+                correction=o.correction, aggregation=o.aggregation, max_len=o.max_len)
+
+
+# Per-teacher metrics are arrays [S] under this prefix: slot s of "teacher/log_ratio" is the
+# s-th teacher of the iteration (the driver names it: "teacher/<key>/log_ratio").
+PER_TEACHER = "teacher/"
 
 
 def per_teacher_metrics(values: dict[str, jax.Array], onehot_BxS, mask_BxT) -> dict:
-    """Masked means of per-token values over the rows routed to each teacher slot."""
-    out = {}
-    for s in range(onehot_BxS.shape[1]):
-        m = mask_BxT * onehot_BxS[:, s:s + 1]
-        for name, v in values.items():
-            out[f"teacher{s}/{name}"] = losses.masked_mean(v, m)
-        out[f"teacher{s}/tokens"] = jnp.sum(m).astype(jnp.float32)
+    """Masked means of per-token values over the rows routed to each teacher slot, as
+    arrays [S] ("teacher/<name>"), with the tokens each slot scored ("teacher/tokens")."""
+    m_SxBxT = mask_BxT[None] * onehot_BxS.T[:, :, None]
+    out = {f"{PER_TEACHER}{name}": jax.vmap(lambda m, v=v: losses.masked_mean(v, m))(m_SxBxT)
+           for name, v in values.items()}
+    out[f"{PER_TEACHER}tokens"] = jnp.sum(m_SxBxT, axis=(1, 2)).astype(jnp.float32)
     return out
 
 
@@ -167,13 +204,16 @@ def per_teacher_metrics(values: dict[str, jax.Array], onehot_BxS, mask_BxT) -> d
 class _PolicyOptions:
     eps_low: float = 0.2
     eps_high: float = 0.2
-    correction: str | None = "icepop"          # None | "icepop" | "tis"
-    icepop_bounds: tuple = (0.5, 5.0)
-    icepop_normalizer: str = "all"
-    tis_cap: float = 2.0
+    correction: losses.Correction = losses.Correction()   # IcePop by default
     aggregation: str = "token_mean"
     max_len: int | None = None
     behaviour: Behaviour = Behaviour()   # set from cfg.rollout.sampling by make_objective
+
+    def __post_init__(self):   # option values checked when the objective is built (no work yet)
+        check_ppo_args(self.eps_low, self.eps_high, None)
+        # a config value (None, "tis", a {kind, icepop_bounds, ...} section) -> Correction
+        object.__setattr__(self, "correction", losses.Correction.of(self.correction))
+        check_choice("aggregation", self.aggregation, losses.AGGREGATIONS)
 
 
 @register
@@ -184,7 +224,11 @@ class GRPO(_PolicyOptions):
     needs: ClassVar[Needs] = Needs(min_group_size=2, reference="kl_beta")
     kl_beta: float = 0.0
 
-    def __call__(self, model, batch, teachers=()):
+    def __post_init__(self):
+        super().__post_init__()
+        check_scalar("kl_beta", self.kl_beta, lo=0.0)
+
+    def __call__(self, model, batch: PolicyBatch, teachers: tuple = ()):
         # old_logp / ref_logp are scored under the same behaviour (`batch_logprobs`).
         _, logp_BxT = student_logps(model, batch, self.behaviour)
         return losses.grpo_loss(
@@ -203,7 +247,21 @@ class KimiMOPD(_PolicyOptions):
     ppo: bool = False            # reuse the batch: PPO ratio/clip, r from lp_old
     position_gamma: float = 0.0  # IW-OPD position weight 1 + gamma (1 - prefix share)
 
-    def __call__(self, model, batch, teachers=()):
+    def __post_init__(self):
+        super().__post_init__()
+        check_scalar("r_max", self.r_max, lo=0.0, lo_open=True)
+        check_scalar("position_gamma", self.position_gamma, lo=0.0)
+
+    def check_config(self, cfg) -> None:
+        """Without the PPO ratio a second pass over the batch is off-policy."""
+        if not self.ppo and cfg.rl.ppo_epochs > 1:
+            raise ValueError(f"rl.ppo_epochs={cfg.rl.ppo_epochs} with kimi_mopd ppo=False: a "
+                             f"second pass over the batch would use r_t and the gradient of "
+                             f"a policy that no longer sampled it; expected ppo_epochs=1, or "
+                             f"--config.objective.options.ppo=True (importance-sampled reuse "
+                             f"with the PPO ratio and the IcePop gate)")
+
+    def __call__(self, model, batch: PolicyBatch, teachers: tuple = ()):
         plain_BxT, logp_BxT = student_logps(model, batch, self.behaviour)
         teacher_BxT = batch["teacher_logp"]
         if not self.behaviour.plain:
@@ -237,7 +295,13 @@ class GLMCrossStage(_PolicyOptions):
     task_reward_weight: float = 0.0   # > 0 mixes in the task advantage (batch["adv"])
     position_gamma: float = 0.0       # IW-OPD position weight 1 + gamma (1 - prefix share)
 
-    def __call__(self, model, batch, teachers=()):
+    def __post_init__(self):
+        super().__post_init__()
+        check_scalar("kl_coef", self.kl_coef, lo=0.0)
+        check_scalar("task_reward_weight", self.task_reward_weight, lo=0.0)
+        check_scalar("position_gamma", self.position_gamma, lo=0.0)
+
+    def __call__(self, model, batch: PolicyBatch, teachers: tuple = ()):
         _, logp_BxT = student_logps(model, batch, self.behaviour)
         task_adv = batch["adv"] * self.task_reward_weight if self.task_reward_weight else None
         old_plain_BxT = old_plain_logp(self, batch)
@@ -282,7 +346,11 @@ class DeepSeekFullVocab:
     max_len: int | None = None
     vocab_parallel: VocabParallel | None = None
 
-    def __call__(self, model, batch, teachers=()):
+    def __post_init__(self):
+        check_scalar("temperature", self.temperature, lo=0.0, lo_open=True)
+        check_choice("aggregation", self.aggregation, losses.AGGREGATIONS)
+
+    def __call__(self, model, batch: PolicyBatch, teachers: tuple = ()):
         h_BxTxD = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"],
                         return_hidden=True)
         kernel_kw = self.vocab_parallel.kernel_kw() if self.vocab_parallel else {}
@@ -293,8 +361,8 @@ class DeepSeekFullVocab:
             implementation=self.implementation, **kernel_kw)
         out = {"loss": metrics["loss"], "reverse_kl": metrics["reverse_kl"]}
         mask_BxT = batch["mask"].astype(jnp.float32)
-        for s in range(len(teachers)):
-            out[f"teacher{s}/kl"] = metrics[f"reverse_kl_teacher{s}"]
-            out[f"teacher{s}/tokens"] = jnp.sum(mask_BxT * (batch["teacher_weights"][:, s:s + 1]
-                                                            > 0))
+        routed_SxB = (batch["teacher_weights"] > 0).T.astype(jnp.float32)
+        out[f"{PER_TEACHER}kl"] = jnp.stack([metrics[f"reverse_kl_teacher{s}"]
+                                             for s in range(len(teachers))])
+        out[f"{PER_TEACHER}tokens"] = routed_SxB @ jnp.sum(mask_BxT, axis=1)
         return loss, out

@@ -2,9 +2,9 @@
 
 ``policy_step(state, batch, teachers)`` takes one optimizer step on `batch` with the
 configured objective; ``batch_logprobs`` is the training-engine forward that recomputes
-old log-probs (IcePop compares it with the sampler's); ``teacher_outputs`` scores a batch
-with a teacher (sampled-token log-probs, or last-layer hidden states for the fused loss).
-All are pure functions of arrays; jit is applied by the caller in one place.
+old log-probs (IcePop compares it with the sampler's). (A teacher's forward,
+``teacher_outputs``, lives with the teachers: `opd_jax.teachers.scoring`.) All are pure
+functions of arrays; jit is applied by the caller in one place.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 
 from opd_jax import losses
+from opd_jax.trainers.objectives import behaviour_logprobs
 from opd_jax.trainers.state import TrainState
 
 
@@ -37,7 +38,6 @@ def batch_logprobs(params, rest, batch: dict, *, graphdef, behaviour=None) -> di
     sampler's temperature / top-k / top-p; plain T = 1 when None or greedy), the one the
     sampler's log-probs are on; "logp_plain" and "entropy" are at T = 1.
     """
-    from opd_jax.trainers.objectives import behaviour_logprobs
     model = nnx.merge(graphdef, params, rest)
     logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
     plain_BxT = losses.token_logprobs(logits_BxTxV, batch["targets"])
@@ -45,15 +45,6 @@ def batch_logprobs(params, rest, batch: dict, *, graphdef, behaviour=None) -> di
         logits_BxTxV, batch["targets"], behaviour)
     return {"logp": logp_BxT, "logp_plain": plain_BxT,
             "entropy": losses.token_entropy(logits_BxTxV)}
-
-
-def teacher_outputs(params, rest, batch: dict, *, graphdef, kind: str = "logp") -> jax.Array:
-    """A teacher's view of its own batch: target log-probs [B, T] or hidden [B, T, E]."""
-    model = nnx.merge(graphdef, params, rest)
-    if kind == "hidden":
-        return model(batch["inputs"], segment_ids_BxT=batch["segment_ids"], return_hidden=True)
-    logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
-    return losses.token_logprobs(logits_BxTxV, batch["targets"])
 
 
 def entropy_metric(entropy_BxT, mask_BxT) -> jax.Array:

@@ -1,7 +1,7 @@
 """A training run's rollout token logs (`workdir/rollout_wal/iter_<iteration>.wal`).
 
 The policy driver (`opd_jax.trainers.run_policy`) hands `play()` one token write-ahead log
-per iteration (`opd_jax.rollout.wal`), so a run killed mid-rollout resumes from its last
+per iteration (`opd_jax.episodes.wal`), so a run killed mid-rollout resumes from its last
 checkpoint without sampling a logged token again (docs/robustness.md).
 """
 from __future__ import annotations

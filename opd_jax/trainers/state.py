@@ -101,7 +101,7 @@ def guard_nonfinite(step_fn: Callable, *, skip: bool = False) -> Callable:
 
 def compile_step(step_fn: Callable, state_shardings_: Any, mesh: Mesh, *,
                  extra_shardings: tuple = (), donate: bool = True,
-                 skip_nonfinite: bool = False) -> Callable:
+                 skip_nonfinite: bool = False, rules: sh.Rules = sh.DEFAULT_RULES) -> Callable:
     """jit `step_fn(state, batch, *extra)` with shardings and state donation (the one jit site).
 
     Every step reports ``nonfinite`` (see `guard_nonfinite`; ``skip_nonfinite`` keeps the
@@ -115,7 +115,8 @@ def compile_step(step_fn: Callable, state_shardings_: Any, mesh: Mesh, *,
     array (a teacher loaded on each process) is accepted. The jitted function is
     ``.jitted`` of the returned callable.
     """
-    batch_sharding = NamedSharding(mesh, sh.logical_to_spec(("batch",), mesh=mesh))
+    # the run's rules: the batch axis is where `sh.shard_batch(..., rules)` put it
+    batch_sharding = NamedSharding(mesh, sh.logical_to_spec(("batch",), rules, mesh))
     jitted = jax.jit(guard_nonfinite(step_fn, skip=skip_nonfinite),
                      in_shardings=(state_shardings_, batch_sharding, *extra_shardings),
                      out_shardings=(state_shardings_, NamedSharding(mesh, P())),

@@ -9,7 +9,7 @@ import pytest
 from opd_jax.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SFT = os.path.join(ROOT, "configs/sft.py:tiny")
+SFT = os.path.join(ROOT, "opd_jax/configs/sft.py:tiny")
 TINY = ["--config.model.hidden_size=32", "--config.model.intermediate_size=64",
         "--config.model.num_layers=1", "--config.model.head_dim=8",
         "--config.data.batch_size=8", "--config.data.seq_len=16", "--config.train.log_every=1",

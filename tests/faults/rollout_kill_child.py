@@ -3,7 +3,7 @@ parent can kill it mid-rollout.   python rollout_kill_child.py <opd-jax args>"""
 import sys
 import time
 
-from opd_jax.rollout import wal
+from opd_jax.episodes import wal
 
 _commit = wal.TokenLog.commit
 

@@ -96,7 +96,7 @@ def test_opd_divergence_stops_before_a_bad_checkpoint(tmp_path):
     from tests.faults.conftest import ROOT
     from tests.trainers.test_policy_smoke import SMALL, _teacher
     teacher = _teacher(tmp_path / "teacher")
-    cfg = load_config(os.path.join(ROOT, "configs/opd.py:kimi_mopd"), SMALL + [
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/opd.py:kimi_mopd"), SMALL + [
         "--config.train.steps=6", "--config.eval.every=0", "--config.optim.lr=1e38",
         f"--config.teachers.paths={{'general/high': '{teacher}'}}"])
     with pytest.raises(DivergenceError, match="diverged at optimizer step (\\d+): .*not "

@@ -87,7 +87,7 @@ def test_generate_past_max_position_embeddings():
     assert len(generate(model, [[1] * 20], max_new_tokens=12).tokens[0]) <= 12
 
 
-GRPO = os.path.join(ROOT, "configs/grpo.py:tiny")
+GRPO = os.path.join(ROOT, "opd_jax/configs/grpo.py:tiny")
 
 
 @pytest.mark.parametrize("override, match", [
@@ -108,7 +108,7 @@ def test_policy_configs_are_checked_before_work(tmp_path, override, match):
 
 
 def test_kimi_batch_reuse_without_the_ppo_ratio_is_refused(tmp_path):
-    cfg = load_config(os.path.join(ROOT, "configs/opd.py:kimi_mopd"),
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/opd.py:kimi_mopd"),
                       ["--config.rl.ppo_epochs=2"])
     with pytest.raises(ValueError, match=r"rl.ppo_epochs=2 with kimi_mopd ppo=False.*"
                                          r"--config.objective.options.ppo=True"):

@@ -213,7 +213,7 @@ def test_broken_safetensors_name_the_file_and_tensor(tmp_path, damage, match):
 def test_teacher_params_with_a_bad_checksum_fail_naming_the_array(run_copy):
     """Teachers and eval read params only (`restore_params`): checked the same way, and an
     explicit read never substitutes another step."""
-    from opd_jax.teachers import TeacherSpec
+    from opd_jax.models import ModelRef
     path = os.path.join(run_copy, "checkpoints", "8", "meta", "metadata")
     meta = json.load(open(path))
     name = next(k for k in meta["checksums"] if k.startswith(".params"))
@@ -222,4 +222,4 @@ def test_teacher_params_with_a_bad_checksum_fail_naming_the_array(run_copy):
     with pytest.raises(CheckpointError, match=f"checkpoints/8: array "
                                               f"{name.replace('[', '.').replace(']', '.')} "
                                               f"does not match the checksum"):
-        TeacherSpec(str(run_copy)).load()
+        ModelRef(str(run_copy)).load()

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from opd_jax.rollout import wal
+from opd_jax.episodes import wal
 from opd_jax.trainers.metrics import read_metrics
 from tests.procs import sigkill_when
 from tests.trainers.test_policy_smoke import SMALL
@@ -20,7 +20,7 @@ ITERS = 4
 
 
 def _args(workdir):
-    return ["grpo", "--config", os.path.join(ROOT, "configs/grpo.py:tiny"), "--workdir",
+    return ["grpo", "--config", os.path.join(ROOT, "opd_jax/configs/grpo.py:tiny"), "--workdir",
             str(workdir), "--no-progress", *SMALL, f"--config.train.steps={ITERS}",
             "--config.train.ckpt_every=2", "--config.rollout.prompts_per_step=4",
             "--config.rollout.group_size=2", "--config.rollout.sampling.max_new_tokens=24",

@@ -8,7 +8,7 @@ from opd_jax.checkpoint import read_step_meta
 from opd_jax.config import load_config
 from opd_jax.models.tokenizers import char_tokenizer, synthetic_tokenizer
 from opd_jax.teachers import TeacherBank
-from opd_jax.teachers.bank import tokenizer_fingerprint
+from opd_jax.models import tokenizer_fingerprint
 from opd_jax.trainers.run_policy import train_policy
 from opd_jax.trainers.run_sft import train_sft
 from tests.faults.conftest import ROOT, sft_cfg
@@ -34,13 +34,13 @@ def test_every_checkpoint_records_its_tokenizer(good_run):
 def test_teacher_with_another_tokenizer_of_the_same_size_is_refused(good_run, other_tokenizer,
                                                                     tmp_path):
     teacher = str(good_run[0])
-    from opd_jax.trainers.builders import build_tokenizer
+    from opd_jax.models import build_tokenizer
     ours, theirs = (tokenizer_fingerprint(t) for t in (build_tokenizer(other_tokenizer),
                                                        synthetic_tokenizer()))
     assert ours != theirs
     bank = TeacherBank({"general/high": teacher})
     bank.validate(128, synthetic_tokenizer(), "synthetic")      # the same tokenizer passes
-    cfg = load_config(os.path.join(ROOT, "configs/opd.py:kimi_mopd"), [
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/opd.py:kimi_mopd"), [
         f"--config.tokenizer={other_tokenizer}",
         f"--config.teachers.paths={{'general/high': '{teacher}'}}"])
     with pytest.raises(ValueError, match=f"teacher 'general/high' at '{teacher}' was trained "

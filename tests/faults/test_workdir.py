@@ -14,7 +14,8 @@ import pytest
 
 from opd_jax.checkpoint import WorkdirError
 from opd_jax.cli import main
-from opd_jax.trainers.run_sft import RESUMABLE, config_diff, open_workdir, train_sft
+from opd_jax.trainers.run_sft import train_sft
+from opd_jax.trainers.workdir import RESUMABLE, config_diff, open_workdir
 from tests.faults.conftest import GOOD, ROOT, SFT, TINY, checkpoint_snapshot, sft_cfg
 
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.losses import losses_numpy_ref as ref
-from opd_jax.losses import (dapo_group_filter, group_advantages, grpo_loss, kl_k3,
-                            overlong_penalty)
+from opd_jax.losses import (Correction, dapo_group_filter, group_advantages, grpo_loss,
+                            kl_k3, overlong_penalty)
 
 B, T = 4, 6
 
@@ -30,10 +30,19 @@ def make_inputs(seed, dtype=np.float32):
     return d
 
 
+def with_correction(kw: dict) -> dict:
+    """The tests' flat correction knobs as the one `Correction` object the losses take."""
+    fields = {k: kw.pop(k) for k in ("icepop_bounds", "icepop_normalizer", "tis_cap") if k in kw}
+    if "correction" in kw:
+        kw["correction"] = Correction(kw["correction"], **fields)
+    return kw
+
+
 def call(x, **kw):
     j = {k: jnp.asarray(v) for k, v in x.items()}
     adv = j["adv_BxT"] if kw.pop("per_token", False) else j["adv_B"]
     use_ref, use_sampler = kw.pop("use_ref", True), kw.pop("use_sampler", True)
+    kw = with_correction(kw)
     return grpo_loss(j["lp"], j["old"], adv, j["m"],
                      ref_logp_BxT=j["ref"] if use_ref else None,
                      sampler_logp_BxT=j["sampler"] if use_sampler else None, **kw)
@@ -181,8 +190,8 @@ def test_bad_input_raises_at_trace_time(kw, msg):
     z = jnp.zeros((B, T))
     arrays = dict(lp=z, old=kw.pop("old", z), adv=kw.pop("adv", jnp.zeros(B)), m=z,
                   ref=kw.pop("ref", z), sampler=kw.pop("sampler", z))
-    f = jax.jit(functools.partial(grpo_loss, **kw))
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match=msg):   # a bad Correction fails when it is built
+        f = jax.jit(functools.partial(grpo_loss, **with_correction(kw)))
         f(arrays["lp"], arrays["old"], arrays["adv"], arrays["m"],
           ref_logp_BxT=arrays["ref"], sampler_logp_BxT=arrays["sampler"])
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from tests.losses import losses_numpy_ref as ref
+from tests.losses.test_losses_grpo import with_correction
 from opd_jax.losses import (clipped_log_ratio, glm_opd_loss, kimi_mopd_loss, reverse_kl_loss,
                             token_logprobs)
 
@@ -32,13 +33,14 @@ def make_inputs(seed, dtype=np.float32):
 def kimi(x, *, use_old=False, use_sampler=False, **kw):
     j = {k: jnp.asarray(v) for k, v in x.items()}
     return kimi_mopd_loss(j["lp"], j["teacher"], j["m"], old_logp_BxT=j["old"] if use_old else None,
-                          sampler_logp_BxT=j["sampler"] if use_sampler else None, **kw)
+                          sampler_logp_BxT=j["sampler"] if use_sampler else None,
+                          **with_correction(kw))
 
 
 def glm(x, *, task=None, **kw):
     j = {k: jnp.asarray(v) for k, v in x.items()}
     return glm_opd_loss(j["lp"], j["old"], j["teacher"], j["m"],
-                        task_adv=None if task is None else j[task], **kw)
+                        task_adv=None if task is None else j[task], **with_correction(kw))
 
 
 @settings(max_examples=20, deadline=None)

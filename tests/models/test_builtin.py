@@ -2,21 +2,20 @@
 import json
 import os
 
+import jax
 import pytest
+from flax import nnx
 
+from opd_jax.models import ModelRef
 from opd_jax.models.builtin import builtin_path, resolve_model_path
+from studies.base_model import evaluate_card
 
-CARD = os.path.join(builtin_path("base"), "card.json")
-needs_card = pytest.mark.skipif(not os.path.exists(CARD), reason="card not written yet")
+CARD = os.path.join(builtin_path("base"), "card.json")   # shipped with the package
 
 
-@needs_card
 def test_builtin_base_loads_and_matches_its_card():
-    from flax import nnx
-    import jax
-    from opd_jax.teachers import TeacherSpec
     card = json.load(open(CARD))
-    model = TeacherSpec("builtin:base").load()
+    model = ModelRef("builtin:base").load()
     n = sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n == card["n_params"]
     for k in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size"):
@@ -24,9 +23,7 @@ def test_builtin_base_loads_and_matches_its_card():
     assert os.path.getsize(os.path.join(builtin_path("base"), "model.safetensors")) <= 25e6
 
 
-@needs_card
 def test_builtin_base_scores_within_noise_of_its_card():
-    from opd_jax.recipes.base_model import evaluate_card
     card = json.load(open(CARD))
     rows = evaluate_card("builtin:base", n=card["eval"]["n"], seeds=(0,), difficulties=(2,),
                          families={"general": "chain"})

@@ -1,8 +1,8 @@
-"""The real-architecture smoke path (`opd-jax smoke`): Llama-3.2-1B and Qwen3-0.6B shapes
-with 2 layers, random bf16 weights, the real Qwen tokenizer, through HF export, one SFT
+"""The real-architecture smoke path (`python -m studies.smoke`): Llama-3.2-1B and Qwen3-0.6B
+shapes with 2 layers, random bf16 weights, the real Qwen tokenizer, through HF export, one SFT
 step, one OPD iteration and a greedy generate.
 
-Runs `python -m opd_jax.recipes.smoke` in a subprocess with one CPU device (the suite's
+Runs `python -m studies.smoke` in a subprocess with one CPU device (the suite's
 8 fake devices would not split its batch of 2 rows, and would hold 8 replicas)."""
 import json
 import math
@@ -12,14 +12,14 @@ import sys
 
 import pytest
 
-from opd_jax.recipes.smoke import ARCHS
+from studies.smoke import ARCHS
 
 NEW_TOKENS = 6      # run_arch's default
 
 
 def _run_smoke(out) -> None:
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "opd_jax.recipes.smoke", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "studies.smoke", "--out", str(out),
                            "--layers", "2"], env=env, capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from opd_jax.recipes import learning_check as lc
+from studies import learning_check as lc
 
 
 def test_a_row_distilling_another_row_needs_that_row_first(tmp_path):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from opd_jax.config import load_config
-from opd_jax.recipes import recipe_module, report as rp
+from opd_jax.recipes import EVAL_DIFFICULTY, TESTBED, recipe_module, report as rp
 from opd_jax.recipes.pipeline import (Stage, check_stages, resolved_config, run_stages,
                                       stage_identity)
 from opd_jax.trainers import builders
@@ -85,7 +85,6 @@ def test_smoke_plans(recipe, n_stages):
 @pytest.mark.parametrize("recipe", ["kimi_k3", "glm", "deepseek_v4"])
 @pytest.mark.parametrize("preset", ["reduced", "full", "smoke"])
 def test_presets_start_from_the_base_on_the_testbed(recipe, preset):
-    from opd_jax.recipes.testbed import EVAL_DIFFICULTY, TESTBED
     c = load_config(os.path.join(ROOT, f"experiments/{recipe}/config.py:{preset}"))
     # smoke (plumbing, default suite) is the one preset on a random 1-layer model.
     assert c.sft.model.init_from == ("" if preset == "smoke" else "builtin:base")

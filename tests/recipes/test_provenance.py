@@ -1,7 +1,7 @@
 """The commit recorded with every result says when the code differed from it."""
 import subprocess
 
-from opd_jax.recipes import base_model
+from opd_jax.recipes import report
 
 
 def _git(repo, *args):
@@ -16,12 +16,12 @@ def test_commit_is_marked_dirty_only_for_code_and_config_changes(tmp_path, monke
     _git(tmp_path, "init", "-q")
     _git(tmp_path, "add", "-A")
     _git(tmp_path, "commit", "-qm", "c")
-    monkeypatch.setattr(base_model, "REPO", str(tmp_path))
-    head = base_model._commit()
+    monkeypatch.setattr(report, "REPO", str(tmp_path))
+    head = report.code_commit()
     assert len(head) >= 7 and not head.endswith("-dirty")
     (tmp_path / "README.md").write_text("doc, edited\n")          # docs do not move results
-    assert base_model._commit() == head
+    assert report.code_commit() == head
     (tmp_path / "opd_jax" / "x.py").write_text("a = 2\n")
-    assert base_model._commit() == head + "-dirty"
-    monkeypatch.setattr(base_model, "REPO", str(tmp_path / "not_a_repo"))
-    assert base_model._commit() == "unknown"
+    assert report.code_commit() == head + "-dirty"
+    monkeypatch.setattr(report, "REPO", str(tmp_path / "not_a_repo"))
+    assert report.code_commit() == "unknown"

@@ -100,7 +100,7 @@ def test_kimi_claims_and_the_merge_reason():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     c = load_config(os.path.join(root, "experiments", "kimi_k3", "config.py:reduced"))
     run = lambda cells: {x["claim"]: x for x in
-                         kimi.claims(c, cells, dict(c.domains), tuple(c.efforts))}
+                         kimi.claims({"cells": cells, "teacher_level": c.teacher_level})}
     good = run(_kimi_cells(0.2, 0.97, 0.80, (4, 6)))
     assert all(x["pass"] for x in good.values()), good
     # the slower seed needs 8 steps: 8 * 5 > 30, so speed fails on every cell

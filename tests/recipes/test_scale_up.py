@@ -7,7 +7,8 @@ import pytest
 
 from opd_jax.config import load_config
 from opd_jax.models import ModelConfig
-from opd_jax.recipes import recipe_module, scale_estimate, scale_up
+from opd_jax.recipes import recipe_module
+from studies import scale_estimate, scale_up
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRESETS = [(r, p) for r in ("kimi_k3", "glm", "deepseek_v4") for p in scale_up.MESHES]
@@ -123,7 +124,7 @@ def test_traced_steps_compose():
     dims = tuple((models[ref].hidden_size, models[ref].vocab_size)
                  for ref in dict.fromkeys(student.teachers.values()))
     # Real widths, vocab and batch; 2 of the 28 (identical) layers to keep the test fast
-    # (`python -m opd_jax.recipes.scale_up` traces every stage at full depth).
+    # (`python -m studies.scale_estimate` traces every stage at full depth).
     t = scale_estimate.trace_stage("opd", scale_estimate._stage_key(student),
                                    models["student"].replace(num_layers=2), geo.micro, geo.accum,
                                    geo.seq, dims)

@@ -1,6 +1,6 @@
 """The testbed's claims are computed from its rows: effort gaps for the base on every domain
 and a specialist on its own, competition as the fall from the base on the other domains."""
-from opd_jax.recipes import testbed as tb
+from studies import testbed as tb
 
 
 def _rows(reward):

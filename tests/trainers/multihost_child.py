@@ -53,7 +53,8 @@ def run(mesh_shape=MESH_SHAPE) -> dict[str, np.ndarray]:
     from opd_jax.distributed import fetch
     from opd_jax.models import ModelConfig, Transformer
     from opd_jax.trainers.objectives import make_objective
-    from opd_jax.trainers.policy import batch_logprobs, policy_step, teacher_outputs
+    from opd_jax.teachers.scoring import teacher_outputs
+    from opd_jax.trainers.policy import batch_logprobs, policy_step
     from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
     from tests.models.helpers import random_model
 

@@ -61,7 +61,7 @@ def config(out_dir: str, steps: int):
     in two cells (general/high, general/max), each routed to its teacher."""
     from opd_jax.config import load_config
     paths = teacher_paths(out_dir)
-    return load_config(os.path.join(ROOT, "configs/opd.py:deepseek_full_vocab"), [
+    return load_config(os.path.join(ROOT, "opd_jax/configs/opd.py:deepseek_full_vocab"), [
         "--config.model.hidden_size=32", "--config.model.intermediate_size=64",
         "--config.model.num_layers=1", "--config.model.head_dim=8",
         "--config.rollout.prompts_per_step=8", "--config.rollout.sampling.max_new_tokens=8",
@@ -79,12 +79,12 @@ def run(out_dir: str, workdir: str) -> dict:
     from flax import nnx
 
     from opd_jax.distributed import barrier
-    from opd_jax.teachers import bank
+    from opd_jax.models import ModelRef
     from opd_jax.trainers.run_policy import train_policy
     from pallas_kernels import sharded
 
     seen = {"sharded_kernel_traces": 0, "teachers": {}}
-    kernel, load = sharded.fused_sharded, bank.TeacherSpec.load
+    kernel, load = sharded.fused_sharded, ModelRef.load
 
     def kernel_spy(*args):
         seen["sharded_kernel_traces"] += 1
@@ -103,13 +103,13 @@ def run(out_dir: str, workdir: str) -> dict:
             "specs": sorted({str(x.sharding.spec) for x in leaves})}
         return model
 
-    sharded.fused_sharded, bank.TeacherSpec.load = kernel_spy, load_spy
+    sharded.fused_sharded, ModelRef.load = kernel_spy, load_spy
     try:
         first = train_policy(config(out_dir, STEPS), workdir, progress=False)
         barrier("multihost_policy_first_run")
         resumed = train_policy(config(out_dir, RESUMED_STEPS), workdir, progress=False)
     finally:
-        sharded.fused_sharded, bank.TeacherSpec.load = kernel, load
+        sharded.fused_sharded, ModelRef.load = kernel, load
     seen["history_steps"] = [[h["step"] for h in first["history"]],
                              [h["step"] for h in resumed["history"]]]
     return seen

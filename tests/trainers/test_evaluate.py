@@ -8,7 +8,7 @@ import pytest
 from opd_jax import envs
 from opd_jax.cli import main
 from opd_jax.models import ModelConfig, save_pretrained, synthetic_tokenizer
-from opd_jax.trainers.episodes import Episode, SamplingConfig
+from opd_jax.episodes import Episode, SamplingConfig
 from opd_jax.trainers.evaluate import (aggregate, evaluate_model,
                                        format_rows, heldout_tasks, write_rows)
 from tests.models.helpers import random_model
@@ -79,7 +79,7 @@ def test_eval_command(tmp_path, capsys):
     save_pretrained(random_model(TINY, seed=0), str(ckpt))
     out = tmp_path / "eval"
     rc = main(["eval", "--checkpoint", str(ckpt), "--config",
-               os.path.join(ROOT, "configs/eval.py:general"), "--config.eval.n=2",
+               os.path.join(ROOT, "opd_jax/configs/eval.py:general"), "--config.eval.n=2",
                "--config.eval.sampling.max_new_tokens=4", "--out", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -87,6 +87,6 @@ def test_eval_command(tmp_path, capsys):
         assert f"| {cell} | 2 |" in printed
     assert len(json.load(open(out / "eval.json"))) == 3
     rc = main(["eval", "--checkpoint", str(tmp_path / "nope"), "--config",
-               os.path.join(ROOT, "configs/eval.py:general")])
+               os.path.join(ROOT, "opd_jax/configs/eval.py:general")])
     assert rc == 2
     assert "does not exist" in capsys.readouterr().err

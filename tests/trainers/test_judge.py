@@ -11,9 +11,10 @@ from opd_jax import envs
 from opd_jax.config import load_config
 from opd_jax.models import ModelConfig, save_pretrained, synthetic_tokenizer
 from opd_jax.trainers import builders
-from opd_jax.trainers.episodes import Episode
+from opd_jax.episodes import Episode
 from opd_jax.trainers.judge import JudgeReward, mix_judge
-from opd_jax.trainers.run_policy import _sequence_batch, train_policy
+from opd_jax.trainers.phases import Batcher
+from opd_jax.trainers.run_policy import train_policy
 from tests.models.helpers import ScriptedPolicy, random_model, script_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -85,14 +86,14 @@ def test_weight_mixes_as_documented():
     assert mix_judge(task_B, judge_B, 0.2).tolist() == pytest.approx([1.1, 0.2, 0.5, 0.7])
     assert mix_judge(task_B, judge_B, 0.0).tolist() == pytest.approx(task_B.tolist())
     # In the batch: a group with equal task rewards gets advantages from the judge alone.
-    cfg = load_config(os.path.join(ROOT, "configs/grpo.py:tiny"),
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/grpo.py:tiny"),
                       ["--config.rollout.group_size=2", "--config.rewards.judge.weight=0.5"])
     t = _tasks(1)[0]
     eps = [Episode(t, [1, 20, 21], [30, 31], [1, 1], [-0.5, -0.5], reward=1.0)
            for _ in range(2)]
     mc = builders.planned_model_config(cfg.model)
-    _, plain, _ = _sequence_batch(cfg, eps, mc)
-    _, judged, metrics = _sequence_batch(cfg, eps, mc, np.array([0.2, 0.8], np.float32))
+    _, plain, _ = Batcher(cfg, mc)(eps)
+    _, judged, metrics = Batcher(cfg, mc)(eps, np.array([0.2, 0.8], np.float32))
     assert plain["adv"].tolist() == [0.0, 0.0]
     assert judged["adv"][0] < 0 < judged["adv"][1]
     assert metrics["reward/mean"] == 1.0          # the logged reward stays the verifier's
@@ -115,7 +116,7 @@ def test_bad_judge_config_fails_before_any_work(tmp_path, override, match):
     if extra[0] == "JUDGE":   # a valid judge path, then the bad value
         save_pretrained(random_model(CFG, seed=2), tmp_path / "judge")
         extra = [f"--config.rewards.judge.path={tmp_path / 'judge'}", extra[1]]
-    cfg = load_config(os.path.join(ROOT, "configs/grpo.py:tiny"), SMALL + extra)
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/grpo.py:tiny"), SMALL + extra)
     with pytest.raises(ValueError, match=match):
         train_policy(cfg, str(tmp_path / "run"), progress=False)
     assert not (tmp_path / "run").exists()      # nothing was written
@@ -123,7 +124,7 @@ def test_bad_judge_config_fails_before_any_work(tmp_path, override, match):
 
 def test_judge_vocabulary_must_match(tmp_path):
     save_pretrained(random_model(CFG.replace(vocab_size=256), seed=2), tmp_path / "judge")
-    cfg = load_config(os.path.join(ROOT, "configs/grpo.py:tiny"),
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/grpo.py:tiny"),
                       SMALL + [f"--config.rewards.judge.path={tmp_path / 'judge'}"])
     with pytest.raises(ValueError, match="judge's vocabulary has 256 tokens, the run's model 128"):
         train_policy(cfg, str(tmp_path / "run"), progress=False)
@@ -131,7 +132,7 @@ def test_judge_vocabulary_must_match(tmp_path):
 
 def test_one_policy_iteration_with_the_judge(tmp_path):
     save_pretrained(random_model(CFG, seed=2, std=0.3), tmp_path / "judge")
-    cfg = load_config(os.path.join(ROOT, "configs/grpo.py:tiny"),
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/grpo.py:tiny"),
                       SMALL + [f"--config.rewards.judge.path={tmp_path / 'judge'}",
                                "--config.rewards.judge.weight=0.5",
                                "--config.rewards.judge.max_new_tokens=4"])

@@ -1,12 +1,12 @@
 """Learning, not just running (long tier, `pytest -m long`): GRPO raises its on-policy reward beyond noise, and
 an OPD student (the shipped base, builtin:base) distilled from two specialists fine-tuned from
 it reaches 90% of each one's reward on its cell, for each objective (see
-opd_jax/recipes/learning_check.py for the setup and the settings).
+studies/learning_check.py for the setup and the settings).
 The sampled-token objectives need four times the rollouts of the full-vocabulary one (about
 30 CPU minutes each on 2 cores; their settings were measured on an earlier random-init toy)."""
 import pytest
 
-from opd_jax.recipes import learning_check as lc
+from studies import learning_check as lc
 
 # Every check here trains students for many CPU minutes; beside another worker CI's slow
 # tier ran out of its time with them, so the whole module is `long` (run with -m long).

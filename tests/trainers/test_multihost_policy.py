@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from opd_jax.teachers import TeacherSpec
+from opd_jax.models import ModelRef
 from opd_jax.trainers.metrics import read_metrics
 from tests.trainers import multihost_policy_child as child
 from tests.trainers.test_multihost import _launch
@@ -26,7 +26,7 @@ TIMEOUT_S = float(os.environ.get("OPD_JAX_MULTIHOST_TEST_TIMEOUT", 1200))
 
 
 def _params(workdir) -> dict[str, np.ndarray]:
-    model = TeacherSpec(str(workdir)).load()         # the latest checkpoint's params
+    model = ModelRef(str(workdir)).load()         # the latest checkpoint's params
     return {"/".join(map(str, p)): np.asarray(v.get_value())
             for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 

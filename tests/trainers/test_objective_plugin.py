@@ -34,6 +34,16 @@ class TeacherLogpReward:
         return loss, {"reward_logp_mean": losses.masked_mean(reward_BxT, batch["mask"])}
 
 
+@dataclasses.dataclass(frozen=True)
+class OneEpochTeacherReward(TeacherLogpReward):
+    """The example with a config rule of its own (`check_config`, run before any work)."""
+    name: ClassVar[str] = "example_one_epoch"
+
+    def check_config(self, cfg) -> None:
+        if cfg.rl.ppo_epochs != 1:
+            raise ValueError(f"rl.ppo_epochs={cfg.rl.ppo_epochs}: {self.name} expected 1")
+
+
 @pytest.fixture
 def example_objective():
     register(TeacherLogpReward)
@@ -46,7 +56,7 @@ def _cfg(tmp_path, name, extra=()):
                         num_heads=4, num_kv_heads=2, head_dim=8, tie_embeddings=True)
     save_pretrained(random_model(cfg_m, seed=1), tmp_path / "m")
     path = tmp_path / "m"
-    cfg = load_config(os.path.join(ROOT, "configs/opd.py:kimi_mopd"),
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/opd.py:kimi_mopd"),
                       SMALL + ["--config.train.steps=1", f"--config.model.init_from={path}",
                                f"--config.teachers.paths={{'general/high': '{path}', "
                                f"'general': '{path}'}}", *extra])
@@ -72,7 +82,7 @@ def test_needs_refuse_bad_configs_before_work(tmp_path, example_objective):
         train_policy(_cfg(tmp_path, example_objective, ["--config.teachers.routing=mixture"]),
                      str(tmp_path / "mix"), progress=False)
     assert not (tmp_path / "mix").exists()
-    cfg = load_config(os.path.join(ROOT, "configs/grpo.py:tiny"),
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/grpo.py:tiny"),
                       SMALL + ["--config.rollout.group_size=1"])
     with pytest.raises(ValueError, match="group_size >= 2.*group_size=1"):
         train_policy(cfg, str(tmp_path / "g1"), progress=False)
@@ -87,3 +97,30 @@ def test_register_wants_a_needs_declaration():
     with pytest.raises(TypeError, match="Needs"):
         register(NoNeeds)
     assert "no_needs" not in OBJECTIVES
+
+
+def test_an_objective_declares_its_own_config_rule(tmp_path):
+    register(OneEpochTeacherReward)
+    try:
+        cfg = _cfg(tmp_path, "example_one_epoch")
+        cfg.rl.ppo_epochs = 2
+        with pytest.raises(ValueError, match="rl.ppo_epochs=2: example_one_epoch expected 1"):
+            train_policy(cfg, str(tmp_path / "two"), progress=False)
+        assert not (tmp_path / "two").exists()
+        cfg.rl.ppo_epochs = 1
+        out = train_policy(cfg, str(tmp_path / "one"), progress=False)
+        assert np.isfinite(out["history"][0]["loss"])
+    finally:
+        OBJECTIVES.pop(OneEpochTeacherReward.name)
+
+
+def test_objective_options_are_checked_when_built(tmp_path):
+    """A bad option value fails before any work, naming the option and its range."""
+    cfg = _cfg(tmp_path, "kimi_mopd")
+    cfg.objective.options = ml_collections.ConfigDict({"r_max": -1.0})
+    with pytest.raises(ValueError, match="kimi_mopd.*r_max=-1 is outside the allowed range"):
+        train_policy(cfg, str(tmp_path / "bad"), progress=False)
+    assert not (tmp_path / "bad").exists()
+    cfg.objective.options = ml_collections.ConfigDict({"correction": "is"})
+    with pytest.raises(ValueError, match="correction"):
+        train_policy(cfg, str(tmp_path / "bad"), progress=False)

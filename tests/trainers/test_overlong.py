@@ -9,14 +9,14 @@ from opd_jax import envs, losses
 from opd_jax.config import load_config
 from opd_jax.models import ModelConfig
 from opd_jax.trainers import builders
-from opd_jax.trainers.episodes import Episode
-from opd_jax.trainers.run_policy import _sequence_batch
+from opd_jax.episodes import Episode
+from opd_jax.trainers.phases import Batcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cfg(*extra):
-    return load_config(os.path.join(ROOT, "configs/grpo.py:tiny"),
+    return load_config(os.path.join(ROOT, "opd_jax/configs/grpo.py:tiny"),
                        ["--config.rollout.group_size=2", "--config.rollout.prompts_per_step=2",
                         "--config.rollout.sampling.max_new_tokens=20",
                         "--config.rollout.sampling.max_turns=1", *extra])
@@ -33,8 +33,8 @@ def test_overlong_penalty_enters_the_advantages():
     model = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
     eps = _episodes(lengths, rewards)
-    _, plain, m0 = _sequence_batch(_cfg(), eps, model)
-    _, batch, m = _sequence_batch(_cfg("--config.rl.overlong_buffer=10"), eps, model)
+    _, plain, m0 = Batcher(_cfg(), model)(eps)
+    _, batch, m = Batcher(_cfg("--config.rl.overlong_buffer=10"), model)(eps)
     penalty = np.asarray(losses.overlong_penalty(np.asarray(lengths), 20, 10))
     np.testing.assert_allclose(penalty, [0.0, -0.5, -1.0, 0.0])
     expected = np.asarray(losses.group_advantages(

@@ -25,7 +25,8 @@ ITERS = 4
 
 def _cli(command, preset, workdir, *extra):
     return [sys.executable, "-m", "opd_jax", command, "--config",
-            os.path.join(ROOT, f"configs/{preset}"), "--workdir", str(workdir), "--no-progress",
+            os.path.join(ROOT, f"opd_jax/configs/{preset}"), "--workdir", str(workdir),
+            "--no-progress",
             *SMALL, f"--config.train.steps={ITERS}", "--config.rollout.prompts_per_step=4",
             "--config.eval.every=0", *extra]
 

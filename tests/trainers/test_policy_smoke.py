@@ -29,7 +29,7 @@ def _teacher(path, vocab=128):
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("grpo")
-    cfg = load_config(os.path.join(ROOT, "configs/grpo.py:tiny"),
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/grpo.py:tiny"),
                       SMALL + ["--config.train.steps=2", "--config.rollout.group_size=2",
                                "--config.rollout.prompts_per_step=4"])
     return cfg, workdir, train_policy(cfg, str(workdir), progress=False)
@@ -62,7 +62,7 @@ def test_grpo_resumes(grpo_run):
 ])
 def test_opd_objectives_run(tmp_path, objective):
     teacher = _teacher(tmp_path / "teacher")
-    cfg = load_config(os.path.join(ROOT, f"configs/opd.py:{objective}"),
+    cfg = load_config(os.path.join(ROOT, f"opd_jax/configs/opd.py:{objective}"),
                       SMALL + ["--config.train.steps=1",
                                f"--config.teachers.paths={{'general/high': '{teacher}', "
                                f"'general': '{teacher}'}}"])
@@ -83,19 +83,19 @@ def test_opd_objectives_run(tmp_path, objective):
 
 def test_opd_bad_banks_fail_early(tmp_path):
     small = _teacher(tmp_path / "t64", vocab=64)
-    base = os.path.join(ROOT, "configs/opd.py:kimi_mopd")
+    base = os.path.join(ROOT, "opd_jax/configs/opd.py:kimi_mopd")
     cfg = load_config(base, SMALL + [f"--config.teachers.paths={{'general/high': '{small}'}}"])
     with pytest.raises(ValueError, match="teacher vocab 64 != student vocab 128"):
         train_policy(cfg, str(tmp_path / "a"), progress=False)
     cfg = load_config(base, SMALL + ["--config.teachers.paths={'general/high': '/nope'}"])
-    with pytest.raises(FileNotFoundError, match="teacher checkpoint '/nope' does not exist"):
+    with pytest.raises(FileNotFoundError, match="teacher 'general/high': checkpoint '/nope' does not exist"):
         train_policy(cfg, str(tmp_path / "b"), progress=False)
     good = _teacher(tmp_path / "t128")
     cfg = load_config(base, SMALL + [f"--config.teachers.paths={{'general/high': '{good}'}}",
                                      "--config.tasks.efforts=('high', 'max')"])
     with pytest.raises(KeyError, match="no teacher for \\(domain, effort\\) 'general/max'"):
         train_policy(cfg, str(tmp_path / "c"), progress=False)
-    ds = os.path.join(ROOT, "configs/opd.py:deepseek_full_vocab")
+    ds = os.path.join(ROOT, "opd_jax/configs/opd.py:deepseek_full_vocab")
     cfg = load_config(ds, SMALL + [f"--config.teachers.paths={{'a': '{good}', 'b': '{good}'}}",
                                    "--config.teachers.routing=mixture",
                                    "--config.teachers.weights={'general': {'a': 0.5, 'b': 0.6}}"])

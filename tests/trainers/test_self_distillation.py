@@ -31,7 +31,7 @@ def test_self_distillation_signals_are_zero(tmp_path, objective):
     cfg_m = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=4, num_kv_heads=2, head_dim=8, tie_embeddings=True)
     save_pretrained(random_model(cfg_m, seed=1), tmp_path / "m")
-    cfg = load_config(os.path.join(ROOT, f"configs/opd.py:{objective}"),
+    cfg = load_config(os.path.join(ROOT, f"opd_jax/configs/opd.py:{objective}"),
                       SMALL + ["--config.train.steps=1", f"--config.model.init_from={tmp_path}/m",
                                _bank(tmp_path / "m")])
     h = train_policy(cfg, str(tmp_path / "run"), progress=False)["history"][0]
@@ -45,10 +45,10 @@ def test_self_distillation_signals_are_zero(tmp_path, objective):
 @pytest.mark.long   # 20 iterations of 96-token rollouts per objective: 3 passed in 188 s (2 cores)
 @pytest.mark.parametrize("objective", ["kimi_mopd", "glm_cross_stage", "deepseek_full_vocab"])
 def test_self_distillation_keeps_heldout_reward(tmp_path, objective):
-    from opd_jax.teachers import TeacherSpec
-    from opd_jax.trainers.episodes import SamplingConfig
+    from opd_jax.models import ModelRef
+    from opd_jax.episodes import SamplingConfig
     from opd_jax.models import synthetic_tokenizer
-    from opd_jax.trainers.episodes import play
+    from opd_jax.episodes import play
     from opd_jax.trainers.evaluate import heldout_tasks
     over = ["--config.model.init_from=builtin:base", _bank("builtin:base"),
             "--config.tasks.families={'general': 'chain'}", "--config.tasks.difficulty=2",
@@ -56,7 +56,7 @@ def test_self_distillation_keeps_heldout_reward(tmp_path, objective):
             "--config.rollout.sampling.max_new_tokens=96", "--config.eval.every=0",
             "--config.eval.n=64", "--config.eval.sampling.max_new_tokens=96",
             "--config.train.ckpt_every=20"]
-    cfg = load_config(os.path.join(ROOT, f"configs/opd.py:{objective}"), over)
+    cfg = load_config(os.path.join(ROOT, f"opd_jax/configs/opd.py:{objective}"), over)
     sampling = SamplingConfig(**dict(cfg.eval.sampling))
     tasks = heldout_tasks({"general": "chain"}, ("high",), n=64, seed=cfg.eval.seed,
                           difficulty=2)
@@ -66,9 +66,9 @@ def test_self_distillation_keeps_heldout_reward(tmp_path, objective):
         eps = play(model, tok, tasks, sampling, seed=0)
         return np.array([e.reward for e in eps])
 
-    before = per_task(TeacherSpec("builtin:base").load())
+    before = per_task(ModelRef("builtin:base").load())
     train_policy(cfg, str(tmp_path / "run"), progress=False)
-    after = per_task(TeacherSpec(str(tmp_path / "run")).load())
+    after = per_task(ModelRef(str(tmp_path / "run")).load())
     diff = after - before
     se = diff.std(ddof=1) / np.sqrt(len(diff))
     assert before.mean() > 0.05, before.mean()      # the base solves some: a real check

@@ -16,7 +16,8 @@ from opd_jax import sharding as sh
 from opd_jax.checkpoint import Checkpointer
 from opd_jax.config import load_config
 from opd_jax.trainers import builders
-from opd_jax.trainers.run_sft import check_workdir, train_sft
+from opd_jax.trainers.run_sft import train_sft
+from opd_jax.trainers.workdir import check_workdir
 from opd_jax.trainers.sft import sft_step
 from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
 
@@ -27,7 +28,7 @@ TINY = ["--config.model.hidden_size=64", "--config.model.intermediate_size=128",
 
 
 def _cfg(*extra):
-    return load_config(os.path.join(ROOT, "configs/sft.py:tiny"), TINY + list(extra))
+    return load_config(os.path.join(ROOT, "opd_jax/configs/sft.py:tiny"), TINY + list(extra))
 
 
 def _one_step(cfg, mesh, grad_accum=1):
@@ -136,7 +137,7 @@ def _final_params(workdir, step):
 
 def _cli(workdir, steps, *extra):
     return [sys.executable, "-m", "opd_jax", "sft", "--config",
-            os.path.join(ROOT, "configs/sft.py:tiny"), "--workdir", str(workdir),
+            os.path.join(ROOT, "opd_jax/configs/sft.py:tiny"), "--workdir", str(workdir),
             "--no-progress", f"--config.train.steps={steps}", "--config.train.ckpt_every=4",
             *TINY, *extra]
 

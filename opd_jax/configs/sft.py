@@ -10,7 +10,7 @@ then where the final checkpoint went. Re-running the same command resumes from t
 
 Presets: ``tiny`` (default, CPU), ``tasks`` (cold start on the built-in tasks' demos,
 for RL and OPD), ``base`` (the built-in base model's pretraining on the corpus of every
-family's train split; run through ``python -m opd_jax.recipes.base_model``), ``jsonl`` (your data: set --config.data.path and
+family's train split; run through ``python -m studies.base_model``), ``jsonl`` (your data: set --config.data.path and
 --config.tokenizer), ``qwen3_1p7b`` (an HF checkpoint folder; set --config.model.init_from;
 4096-token rows with ``model.remat="layer"``, gradient checkpointing of each decoder layer).
 Any key can be overridden, e.g. ``--config.optim.lr=1e-3 --config.train.steps=50``.
@@ -57,7 +57,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
         c.data.seq_len = 64
         c.train.steps = 300
         c.train.ckpt_every = 100
-    elif arg == "base":                  # the built-in base model (opd_jax.recipes.base_model)
+    elif arg == "base":                  # the built-in base model (studies.base_model)
         c.data.source = "corpus"
         c.data.seq_len = 320
         c.data.batch_size = 24

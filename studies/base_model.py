@@ -1,7 +1,7 @@
 """Build the testbed's pretrained base model and its model card (run once, result committed).
 
-    python -m opd_jax.recipes.base_model --workdir runs/base          # train, export, card
-    python -m opd_jax.recipes.base_model --workdir runs/base --stage card   # card only
+    python -m studies.base_model --workdir runs/base          # train, export, card
+    python -m studies.base_model --workdir runs/base --stage card   # card only
 
 1. ``train``: ``opd-jax sft --config configs/sft.py:base`` (the project's own SFT trainer on
    `opd_jax.data.corpus`: demos from the *train* split of every family, every difficulty,
@@ -22,14 +22,22 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
+from flax import nnx
 
+from opd_jax.config import PACKAGED_CONFIGS, load_config
+from opd_jax.data.corpus import corpus_families, pretraining_corpus
+from opd_jax.envs import KNOWN_EFFORTS
+from opd_jax.episodes import SamplingConfig
+from opd_jax.models import ModelRef, save_pretrained, synthetic_tokenizer
 from opd_jax.models.builtin import builtin_path
+from opd_jax.models.hf import read_config
+from opd_jax.recipes import EFFORTS, TESTBED
+from opd_jax.recipes.report import code_commit
+from opd_jax.trainers.evaluate import evaluate_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG = os.path.join(REPO, "configs", "sft.py") + ":base"
-TESTBED = {"general": "chain", "agent": "tool_chain", "coding": "code_trace"}
-EFFORTS = ("low", "high", "max")
+CONFIG = os.path.join(PACKAGED_CONFIGS, "sft.py") + ":base"
 CARD_SEEDS = (0, 1, 2)
 # Enough new tokens per turn for the max budget (192) and an answer; turns for 8 lookups.
 CARD_SAMPLING = dict(max_new_tokens=224, temperature=0.0, max_turns=10)
@@ -44,12 +52,7 @@ def train(workdir: str, overrides=()) -> float:
 
 
 def export(workdir: str, out: str) -> dict:
-    import jax
-    from flax import nnx
-
-    from opd_jax.models import save_pretrained
-    from opd_jax.teachers import TeacherSpec
-    model = TeacherSpec(workdir).load()
+    model = ModelRef(workdir).load()
     save_pretrained(model, out)
     return {"n_params": sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))}
 
@@ -57,11 +60,7 @@ def export(workdir: str, out: str) -> dict:
 def evaluate_card(path: str, *, n: int, seeds=CARD_SEEDS, difficulties=(1, 2, 3, 4, 5),
                   families=None) -> list[dict]:
     """Rows (family, difficulty, effort, seed, reward, pass_rate, length) on the eval split."""
-    from opd_jax.models import synthetic_tokenizer
-    from opd_jax.teachers import TeacherSpec
-    from opd_jax.trainers.episodes import SamplingConfig
-    from opd_jax.trainers.evaluate import evaluate_model
-    model, tok = TeacherSpec(path).load(), synthetic_tokenizer()
+    model, tok = ModelRef(path).load(), synthetic_tokenizer()
     rows = []
     for seed in seeds:
         for domain, fam in (families or TESTBED).items():
@@ -112,7 +111,7 @@ def write_card(out: str, card: dict) -> None:
 A {m['num_layers']}-layer decoder ({m['arch']}: hidden {m['hidden_size']}, {m['num_heads']} query /
 {m['num_kv_heads']} KV heads, MLP {m['intermediate_size']}), {card['n_params']:,} parameters, fp32,
 the synthetic char-level tokenizer (vocab {m['vocab_size']}). Load it with
-`init_from="builtin:base"` (any trainer's `model.init_from`, `TeacherSpec`, `opd-jax eval
+`init_from="builtin:base"` (any trainer's `model.init_from`, `ModelRef`, `opd-jax eval
 --checkpoint builtin:base`).
 
 **Corpus.** Demos from the *train* split of every built-in family with a generator
@@ -138,19 +137,6 @@ seeds {', '.join(map(str, card['eval']['seeds']))}, {card['eval']['n']} problems
         f.write(text)
 
 
-def _commit() -> str:
-    """The short commit of the code a result was measured with; "-dirty" when the package
-    or the experiment configs differ from it (uncommitted changes that could move results)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
-                              capture_output=True, text=True).stdout.strip()
-        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "opd_jax",
-                                "experiments/*/config.py"], cwd=REPO).returncode == 0
-        return head if clean else head + "-dirty"
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="runs/base")
@@ -158,7 +144,6 @@ def main(argv=None) -> int:
     p.add_argument("--stage", choices=("all", "train", "export", "card"), default="all")
     p.add_argument("--eval-n", type=int, default=64)
     args, overrides = p.parse_known_args(argv)
-    from opd_jax.config import load_config
     cfg = load_config(CONFIG, overrides)
     state_path = os.path.join(args.workdir, "base_model.json")
     state = json.load(open(state_path)) if os.path.exists(state_path) else {}
@@ -169,10 +154,6 @@ def main(argv=None) -> int:
         state.update(export(args.workdir, args.out))
         json.dump(state, open(state_path, "w"))
     if args.stage in ("all", "card"):
-        from opd_jax.data.corpus import corpus_families
-        from opd_jax.envs import KNOWN_EFFORTS
-        from opd_jax.models.hf import read_config
-        from opd_jax.data.corpus import pretraining_corpus
         t0 = time.time()
         state["examples"] = len(pretraining_corpus(
             per_cell=cfg.data.corpus.per_cell, testbed_per_cell=cfg.data.corpus.testbed_per_cell,
@@ -186,8 +167,8 @@ def main(argv=None) -> int:
                        "examples": state.get("examples")},
             "steps": cfg.train.steps, "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
             "lr": cfg.optim.lr, "train_wall_s": state.get("train_wall_s", float("nan")),
-            "machine": "2 CPU cores (shared with other jobs)", "commit": _commit(),
-            "command": "python -m opd_jax.recipes.base_model --workdir runs/base",
+            "machine": "2 CPU cores (shared with other jobs)", "commit": code_commit(),
+            "command": "python -m studies.base_model --workdir runs/base",
             "eval": {"seeds": list(CARD_SEEDS), "n": args.eval_n, "sampling": CARD_SAMPLING,
                      "wall_s": time.time() - t0},
             "rows": rows, "summary": summarize(rows)}

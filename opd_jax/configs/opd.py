@@ -14,7 +14,7 @@ hidden states cached, teachers loaded on demand into a bounded cache).
 """
 import ml_collections
 
-from _sections import policy_base
+from _sections import correction_config, policy_base
 
 
 def get_config(arg: str = "kimi_mopd") -> ml_collections.ConfigDict:
@@ -28,8 +28,8 @@ def get_config(arg: str = "kimi_mopd") -> ml_collections.ConfigDict:
         prompt_role="student",    # teachers see the student's prompt ("teacher": no effort token)
     ))
     c.rollout.group_size = 1
-    pg = dict(eps_low=0.2, eps_high=0.2, correction="icepop", icepop_bounds=(0.5, 5.0),
-              icepop_normalizer="all", tis_cap=2.0, aggregation="token_mean", max_len=None,
+    pg = dict(eps_low=0.2, eps_high=0.2, correction=correction_config(),
+              aggregation="token_mean", max_len=None,
               position_gamma=0.0)    # IW-OPD position weighting (docs/objectives.md)
     if arg == "kimi_mopd":
         opts = dict(pg, r_max=5.0, ppo=False)

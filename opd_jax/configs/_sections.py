@@ -1,7 +1,10 @@
 """Config sections shared by the config files here (imported as a sibling); not a config."""
+import dataclasses
+
 import ml_collections
 
 from opd_jax.envs.rewards import DEFAULT_RUBRIC
+from opd_jax.losses import Correction
 from opd_jax.sharding import DEFAULT_RULES
 
 
@@ -26,6 +29,13 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
     ))
     m.update(overrides)
     return m
+
+
+def correction_config(**overrides) -> dict:
+    """The mismatch correction of the sampled-token objectives (`opd_jax.losses.Correction`,
+    its defaults: IcePop with bounds (0.5, 5.0), rejected tokens kept in the normalizer):
+    --config.objective.options.correction.kind=tis (or None) switches it."""
+    return dict(dataclasses.asdict(Correction()), **overrides)
 
 
 def optim_config(**overrides) -> ml_collections.ConfigDict:

@@ -10,8 +10,8 @@ problems (the seed picks the problem draw). Two measurements come out:
 * **competition**: a specialist's reward on the *other* domains, against the base's
   (a fall of >= 0.10 is what mixed RL and weight merging then have to fight).
 
-    python -m opd_jax.recipes.testbed --workdir runs/testbed     # 3 seeds; re-run resumes
-                                                                 # (finished evals are cached)
+    python -m studies.testbed --workdir runs/testbed     # 3 seeds; re-run resumes
+                                                         # (finished evals are cached)
 
 Results: ``<workdir>/results.json`` (every row, with seeds, commit, command, wall time) and
 ``results.md`` (tables and PASS/FAIL computed from it); the committed copy lives in
@@ -27,26 +27,22 @@ import time
 
 import numpy as np
 
-from opd_jax.recipes import trainer_config
-# one table of families and efforts: the ones the base was pretrained and carded on
-from opd_jax.recipes.base_model import EFFORTS, TESTBED
+from opd_jax.episodes import SamplingConfig
+from opd_jax.models import ModelRef, synthetic_tokenizer
+# one table of families and efforts, the domains' evaluation difficulties and the sampling:
+# the library's testbed (docs/testbed.md), the one the base was pretrained and carded on
+from opd_jax.recipes import EFFORTS, EVAL_DIFFICULTY, SAMPLING, TESTBED, trainer_config
+from opd_jax.recipes.pipeline import Stage, run_stages, stage_dir
+from opd_jax.recipes.report import code_commit
+from opd_jax.trainers.evaluate import evaluate_model
 
-# The evaluation difficulty of each domain, read off the base's card (3 seeds x 16, eval
-# split): the lowest at which low < high < max by >= 0.10 each, with room left for RL below
-# max (chain d3 0.06 / 0.72 / 1.00; tool_chain d3 0.54 / 0.86 / 1.00; code_trace d3
-# 0.04 / 0.53 / 0.73). The first run used chain d4 and tool_chain d4 and measured (3 seeds x
-# 64) base high - low +0.059 on chain (the high budget is too short for most d4 chains) and
-# max - high +0.092 on tool_chain: both under the margin (experiments/testbed/results/d4/).
-EVAL_DIFFICULTY = {"general": 3, "agent": 3, "coding": 3}
 SEEDS = (0, 1, 2)
 EVAL_N = 64
-SAMPLING = dict(max_new_tokens=224, temperature=0.0, max_turns=10)
 MARGIN = 0.10
 
 
 def stages(seed: int, *, init: str = "builtin:base", sft_steps: int = 150,
            rl_steps: int = 20) -> list:
-    from opd_jax.recipes.pipeline import Stage
     out = []
     for domain, fam in TESTBED.items():
         d = EVAL_DIFFICULTY[domain]
@@ -76,11 +72,7 @@ def stages(seed: int, *, init: str = "builtin:base", sft_steps: int = 150,
 
 def evaluate_domain(path: str, domain: str, seed: int, n: int = EVAL_N) -> list[dict]:
     """Rows for one domain x every effort at the domain's evaluation difficulty (eval split)."""
-    from opd_jax.models import synthetic_tokenizer
-    from opd_jax.teachers import TeacherSpec
-    from opd_jax.trainers.episodes import SamplingConfig
-    from opd_jax.trainers.evaluate import evaluate_model
-    return evaluate_model(TeacherSpec(path).load(), synthetic_tokenizer(),
+    return evaluate_model(ModelRef(path).load(), synthetic_tokenizer(),
                           {domain: TESTBED[domain]}, EFFORTS, n=n, seed=seed,
                           difficulty=EVAL_DIFFICULTY[domain],
                           sampling=SamplingConfig(**SAMPLING))
@@ -107,7 +99,6 @@ def _cached_eval(wd: str, name: str, path: str, seed: int, n: int) -> list[dict]
 
 def run(workdir: str, seeds=SEEDS, *, init: str = "builtin:base", n: int = EVAL_N,
         **stage_kw) -> dict:
-    from opd_jax.recipes.pipeline import run_stages, stage_dir
     t0 = time.time()
     records = []
     for seed in seeds:
@@ -177,7 +168,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def report_md(summary: dict, meta: dict) -> str:
     s = summary
-    lines = [f"# Testbed measurements", "",
+    lines = ["# Testbed measurements", "",
              f"Seeds {s['seeds']}; commit {meta['commit']}; command `{meta['command']}`; "
              f"wall time {meta['wall_s'] / 60:.0f} min; {EVAL_N} eval-split problems per cell "
              f"and seed, greedy; evaluation difficulty {meta['eval_difficulty']}.", "",
@@ -205,8 +196,7 @@ def report_md(summary: dict, meta: dict) -> str:
 
 
 def write_results(workdir: str, result: dict, command: str) -> str:
-    from opd_jax.recipes.base_model import _commit
-    meta = {"commit": _commit(), "command": command, "wall_s": result["wall_s"],
+    meta = {"commit": code_commit(), "command": command, "wall_s": result["wall_s"],
             "eval_difficulty": EVAL_DIFFICULTY}
     summary = summarize(result["rows"])
     with open(os.path.join(workdir, "results.json"), "w", encoding="utf-8") as f:
@@ -231,7 +221,7 @@ def main(argv=None) -> int:
     result = run(args.workdir, seeds, init=args.init, n=args.eval_n, sft_steps=args.sft_steps,
                  rl_steps=args.rl_steps)
     print(write_results(args.workdir, result,
-                        "python -m opd_jax.recipes.testbed " + " ".join(argv or sys.argv[1:])))
+                        "python -m studies.testbed " + " ".join(argv or sys.argv[1:])))
     return 0
 
 

@@ -19,10 +19,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-
-def bucket(n: int, multiple: int = 16) -> int:
-    """Round up so a handful of shapes cover all lengths (one compilation per bucket)."""
-    return max(multiple, -(-n // multiple) * multiple)
+from opd_jax.shapes import bucket
 
 
 def build_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
@@ -34,7 +31,7 @@ def build_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequen
     Returns int32 ``inputs, targets, mask, segment_ids, positions`` [B, T], float32
     ``sampler_logp`` [B, T] (0 where unknown), and int32 ``prompt_len, response_len`` [B].
     `seq_len` fixes T (rows that do not fit are an error); otherwise T is the longest row
-    minus one, rounded up to `multiple`.
+    minus one, bucketed by `shapes.bucket(n, multiple)`.
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")

@@ -10,133 +10,23 @@ a state with a non-finite float (the last good checkpoints are never rotated out
 diverged one). Restoring the latest step verifies the checksums and finiteness; a corrupt
 or unreadable latest step is moved aside to ``<step>.corrupt`` and the previous intact
 step is restored, with a warning naming both. A workdir is held by one run at a time
-(:class:`WorkdirLock`).
+(`opd_jax.checkpoint.lock.WorkdirLock`).
 """
 from __future__ import annotations
 
-import fcntl
-import functools
-import json
 import logging
 import os
-import socket
-import time
 import warnings
 from typing import Any
 
 import grain
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from opd_jax.checkpoint.digest import CheckpointError, state_digest, verify_digest
+from opd_jax.checkpoint.lock import WorkdirLock
+
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be written or read back intact; the message names the step and
-    the array or file."""
-
-
-class WorkdirError(ValueError):
-    """A workdir cannot be used: not a folder, not writable, or held by another run."""
-
-
-# Elements per block of `_leaf_digest`: its temporaries (the uint32 words and weights) are
-# bounded by a block, not by the array. Whole-array uint32 temporaries of every leaf at once
-# were 4.4 GiB for a train state holding a 151k x 2048 embedding and its two Adam moments.
-DIGEST_BLOCK = 1 << 22
-
-
-def _block_digest(x: jax.Array, start, dtype) -> tuple[jax.Array, jax.Array]:
-    """(checksum, all-finite) of a flat block whose first element is at `start`: `x` holds
-    the values of an array of `dtype`, or, for dtypes narrower than 4 bytes, their bits."""
-    if x.dtype == jnp.bool_:
-        u = x.astype(jnp.uint32)
-    elif x.dtype.itemsize >= 4:
-        u = jax.lax.bitcast_convert_type(x, jnp.uint32)    # 8-byte dtypes: a trailing [2]
-    else:
-        u = x.astype(jnp.uint32)                           # uint16 / uint8 bits
-    u = u.reshape(-1)
-    per = u.size // x.size if x.size else 1               # uint32 words per element
-    pos = jnp.asarray(start, jnp.uint32) * jnp.uint32(per) + jnp.arange(u.size,
-                                                                         dtype=jnp.uint32)
-    digest = jnp.sum((u ^ (u >> 15)) * (pos * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)),
-                     dtype=jnp.uint32)
-    dtype = jnp.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.inexact):
-        return digest, jnp.asarray(True)
-    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize in (2, 4):
-        fi = jnp.finfo(dtype)           # finite: the exponent bits are not all ones
-        exponent = jnp.uint32(((1 << fi.nexp) - 1) << fi.nmant)
-        return digest, jnp.all((u & exponent) != exponent)
-    values = x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
-    return digest, jnp.all(jnp.isfinite(values))
-
-
-@functools.partial(jax.jit, static_argnames="block")
-def _leaf_digest(x: jax.Array, block: int = DIGEST_BLOCK) -> tuple[jax.Array, jax.Array]:
-    """(uint32 position-weighted checksum of the raw bits, all-finite flag) of one array.
-
-    Computed `block` elements at a time (a loop over dynamic slices), so its temporaries
-    are a block's whatever the array's size (plus, for dtypes narrower than 4 bytes, one copy
-    of the array's bits: sliced as bf16, XLA's CPU backend would carry the array through the
-    loop widened to float32). The value is the whole-array sum: a wrapping uint32 sum of
-    per-position terms does not depend on how it is split. One jit call per array, so only
-    one array's temporaries are live at a time."""
-    block = max(1, int(block))
-    flat = x.reshape(-1)
-    if x.dtype.itemsize < 4 and x.dtype != jnp.bool_:
-        flat = jax.lax.bitcast_convert_type(flat, {2: jnp.uint16, 1: jnp.uint8}[x.dtype.itemsize])
-    n = flat.size
-    full = n // block if n > block else 0
-    digest, finite = jnp.uint32(0), jnp.asarray(True)
-    if full:
-        def body(i, carry):
-            d, f = carry
-            start = i.astype(jnp.uint32) * jnp.uint32(block)
-            bd, bf = _block_digest(jax.lax.dynamic_slice(flat, (i * block,), (block,)), start,
-                                   x.dtype)
-            return d + bd, f & bf
-        digest, finite = jax.lax.fori_loop(0, full, body, (digest, finite))
-    if n - full * block or not full:
-        bd, bf = _block_digest(flat[full * block:], full * block, x.dtype)
-        digest, finite = digest + bd, finite & bf
-    return digest, finite
-
-
-def state_digest(tree: Any, prefix: str = "") -> tuple[dict[str, int], list[str]]:
-    """({array path: checksum}, [paths of arrays holding a NaN or inf]) of a pytree.
-
-    The checksum is a wrapping uint32 sum, so it is exact whatever the reduction order
-    (sharded or not, any mesh).
-
-    Multi-process, the arrays are digested one at a time (`distributed.settle`: many small
-    multi-device programs in flight at once deadlock under gloo;
-    tests/trainers/test_multihost_policy.py saves through it)."""
-    from opd_jax.distributed import fetch, settle
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    names = [prefix + jax.tree_util.keystr(p) for p, _ in flat]
-    out = fetch([settle(_leaf_digest(jnp.asarray(x))) for _, x in flat])
-    sums = {n: int(d) for n, (d, _) in zip(names, out)}
-    return sums, [n for n, (_, ok) in zip(names, out) if not bool(ok)]
-
-
-def verify_digest(tree: Any, meta: dict, where: str, prefix: str = "") -> None:
-    """Raise CheckpointError unless every array of `tree` is finite and matches the
-    checksum recorded in `meta` (checkpoints written before checksums: finiteness only)."""
-    sums, bad = state_digest(tree, prefix)
-    if bad:
-        raise CheckpointError(f"{where}: array {bad[0]} holds NaN or inf"
-                              + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
-    saved = meta.get("checksums")
-    if saved:
-        wrong = [n for n, v in sums.items() if n in saved and saved[n] != v]
-        missing = [n for n in sums if n not in saved]
-        if wrong or missing:
-            name = (wrong or missing)[0]
-            raise CheckpointError(f"{where}: array {name} does not match the checksum "
-                                  f"recorded when it was saved ({saved.get(name)} != "
-                                  f"{sums[name]}); its bytes are corrupt")
 
 
 class Checkpointer:
@@ -286,85 +176,6 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
 
 
-def prepare_workdir(workdir: str) -> str:
-    """Create `workdir` if needed and check it is a writable folder (before any work)."""
-    workdir = os.path.abspath(os.fspath(workdir))
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise WorkdirError(f"workdir {workdir!r} is a file, not a folder; give a folder path")
-    try:
-        os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, f".write_probe.{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise WorkdirError(f"workdir {workdir!r} is not writable ({e.strerror or e}); "
-                           f"give a folder you can write to") from None
-    return workdir
-
-
-class WorkdirLock:
-    """An exclusive lock on a workdir: ``<workdir>/run.lock`` held with ``flock``.
-
-    The file records the holder's pid, host and start time. The kernel drops the lock
-    when its holder dies (even by SIGKILL), so a lock left by a dead run is stale and is
-    taken over (with a warning); one held by a live run is refused naming the holder.
-    Within one process the lock is re-entrant (a failed call may be retried)."""
-
-    _held: dict[str, list] = {}     # path -> [fd, count]: this process's locks
-
-    def __init__(self, workdir: str):
-        self.path = os.path.join(os.path.abspath(workdir), "run.lock")
-        self._released = False
-        if self.path in WorkdirLock._held:
-            WorkdirLock._held[self.path][1] += 1
-            return
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise WorkdirError(
-                f"workdir {os.path.dirname(self.path)!r} is in use by another run "
-                f"(pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, since "
-                f"{holder.get('started', '?')}; lock file {self.path}); wait for it to end "
-                f"or use another --workdir") from None
-        previous = _read_holder(fd)
-        if previous.get("pid") and not previous.get("released"):
-            log.warning("taking over the stale lock %s of pid %s on %s (that run is gone)",
-                        self.path, previous.get("pid"), previous.get("host"))
-        _write_holder(fd, {"pid": os.getpid(), "host": socket.gethostname(),
-                           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-        WorkdirLock._held[self.path] = [fd, 1]
-
-    def release(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        entry = WorkdirLock._held[self.path]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del WorkdirLock._held[self.path]
-            _write_holder(entry[0], {**_read_holder(entry[0]), "released": True})
-            fcntl.flock(entry[0], fcntl.LOCK_UN)
-            os.close(entry[0])
-
-
-def _read_holder(fd: int) -> dict:
-    try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        return json.loads(os.read(fd, 4096) or b"{}")
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_holder(fd: int, holder: dict) -> None:
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, json.dumps(holder).encode())
-
-
 def abstract_like(tree: Any) -> Any:
     """ShapeDtypeStructs (with shardings) of a pytree of arrays, for `restore`."""
     return jax.tree.map(
@@ -387,8 +198,9 @@ def latest_step_dir(path: str | os.PathLike) -> str:
 
 
 def read_step_meta(step_dir: str) -> dict:
-    with open(os.path.join(step_dir, "meta", "metadata"), encoding="utf-8") as f:
-        return json.load(f)
+    """The JSON meta of a step folder (read through Orbax's JSON handler)."""
+    return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+        os.path.join(step_dir, "meta"), args=ocp.args.JsonRestore())
 
 
 def restore_params(step_dir: str, abstract_params: Any, shardings: Any | None = None) -> Any:
@@ -402,7 +214,6 @@ def restore_params(step_dir: str, abstract_params: Any, shardings: Any | None = 
         args=ocp.args.PyTreeRestore(item={"params": abstract_params},
                                     restore_args={"params": restore_args},
                                     partial_restore=True))
-    meta = read_step_meta(step_dir) if os.path.isfile(
-        os.path.join(step_dir, "meta", "metadata")) else {}
+    meta = read_step_meta(step_dir) if os.path.isdir(os.path.join(step_dir, "meta")) else {}
     verify_digest(out["params"], meta, f"checkpoint {step_dir}", prefix=".params")
     return out["params"]

@@ -21,7 +21,7 @@ turn can open no thinking (budget 0) and a think_on turn gets think_on's budget.
 budgets are set per row at the start of every turn.
 
 With `wal_path`, every `steps_per_call` decode steps the new tokens are appended to a
-token write-ahead log (`opd_jax.rollout.wal`), with each row's turn end and each
+token write-ahead log (`opd_jax.episodes.wal`), with each row's turn end and each
 environment step. A killed job called again with the same arguments replays the log:
 finished turns are re-stepped through fresh environments (they are deterministic), the
 history and the unfinished turn are teacher-forced into the cache, and sampling goes on
@@ -36,46 +36,18 @@ import json
 import os
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from opd_jax import envs
-
-
-@dataclasses.dataclass
-class Episode:
-    task: envs.Task
-    prompt_ids: list[int]
-    response_ids: list[int] = dataclasses.field(default_factory=list)
-    response_mask: list[int] = dataclasses.field(default_factory=list)
-    sampler_logp: list[float] = dataclasses.field(default_factory=list)
-    reward: float = 0.0
-    info: dict = dataclasses.field(default_factory=dict)
-    done: bool = False
-    turns: int = 0
-    finish: str = ""
-    text: str = ""
-
-    @property
-    def sampled_tokens(self) -> int:
-        return int(sum(self.response_mask))
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_turns: int = 4
-    use_think_budget: bool = True    # force </think> at the effort's thinking budget
-
-
-def encode(tokenizer, text: str) -> list[int]:
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def cell_of(task: envs.Task) -> str:
-    return f"{task.domain}/{task.effort}"
+from opd_jax import sharding as sh
+from opd_jax.distributed import fetch
+from opd_jax.episodes import wal
+from opd_jax.episodes.episode import Episode, SamplingConfig, encode, prompt_ids
+from opd_jax.rollout import engine
+from opd_jax.rollout.api import ALL_STEPS, FINISH_NAMES, check_prompts, stop_sequences, think_ids
+from opd_jax.rollout.sampling import NO_BUDGET, NO_TOKEN, FinishReason, SamplingParams
+from opd_jax.shapes import bucket
 
 
 def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig, *,
@@ -105,16 +77,13 @@ def play(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig,
 
 class _Play:
     def __init__(self, model, tokenizer, tasks, sampling: SamplingConfig, *, seed, role, mesh):
-        from opd_jax.rollout.api import check_prompts, stop_sequences, think_ids
-        from opd_jax.rollout.sampling import NO_BUDGET, NO_TOKEN, SamplingParams
         if not tasks:
             raise ValueError("play() got no tasks; expected at least one")
         self.model, self.tok, self.sampling, self.seed, self.mesh = (model, tokenizer,
                                                                       sampling, seed, mesh)
         self.tasks, self.role, self.B = tasks, role, len(tasks)
         self.envs = [envs.make_env(t) for t in tasks]
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        self.eps = [Episode(t, bos + encode(tokenizer, e.reset(t, role=role)))
+        self.eps = [Episode(t, prompt_ids(tokenizer, e.reset(t, role=role)))
                     for t, e in zip(tasks, self.envs)]
         check_prompts([ep.prompt_ids for ep in self.eps], model.config.vocab_size)
         self.max_pos = getattr(model.config, "max_position_embeddings", None)
@@ -170,7 +139,6 @@ class _Play:
             return
         self.budget_B = new_B
         if self.state is not None:
-            from opd_jax import sharding as sh
             self.state = self.state.replace(
                 think_budget_B=sh.put(new_B, self.state.think_budget_B.sharding))
 
@@ -202,10 +170,6 @@ class _Play:
     def load(self, live, turn: int, extra: int) -> None:
         """A fresh cache holding every row's history (+ the turn in progress); rows in
         `live` whose turn has not ended continue it. `extra`: slots to leave for decoding."""
-        import jax.numpy as jnp
-
-        from opd_jax.rollout import engine
-        from opd_jax.rollout.api import bucket
         B = self.B
         hist = [ep.prompt_ids + ep.response_ids for ep in self.eps]
         W = bucket(max(len(h) + len(c) for h, c in zip(hist, self.cur)), 64)
@@ -236,10 +200,6 @@ class _Play:
 
     def begin_turn(self, live, turn: int) -> None:
         """Append the pending observations and start the turn of every live row."""
-        import jax.numpy as jnp
-
-        from opd_jax.rollout import engine
-        from opd_jax.rollout.api import bucket
         extra = max(self.room(b, turn) for b in live)
         W = bucket(max(1, max(len(self.obs[b]) for b in live)), 64)
         if self.state is None or int(self.state.cache.index) + W + extra + 1 > self.state.max_len:
@@ -266,12 +226,6 @@ class _Play:
 
     def decode(self, live: list[int], steps_per_call: int) -> None:
         """Decode until every row's turn ends; collect the new tokens (and log them)."""
-        import jax.numpy as jnp
-
-        from opd_jax.distributed import fetch
-        from opd_jax.rollout import engine
-        from opd_jax.rollout.api import ALL_STEPS, FINISH_NAMES
-        from opd_jax.rollout.sampling import FinishReason
         steps = steps_per_call if self.log is not None else ALL_STEPS
         while True:
             before = int(self.state.cache.index)
@@ -351,7 +305,6 @@ class _Play:
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, wal_path, steps_per_call: int, identity: dict) -> list[Episode]:
-        from opd_jax.rollout import wal
         first, header, truncate_at = 0, self.header(identity), None
         if wal_path is not None:
             if os.path.exists(wal_path) and os.path.getsize(wal_path) > 0:
@@ -385,8 +338,6 @@ class _Play:
 
     def replay(self, records: list[tuple], path) -> int:
         """Re-apply a log's committed records; the turn to continue from."""
-        from opd_jax.rollout import wal
-        from opd_jax.rollout.api import FINISH_NAMES
         turn, stepped = 0, []
         for kind, row, *rest in records:
             if not 0 <= row < self.B:

@@ -8,7 +8,7 @@ import pytest
 from opd_jax import envs
 from opd_jax.envs.base import StepResult, register_env
 from opd_jax.models import ModelConfig, synthetic_tokenizer
-from opd_jax.trainers.episodes import SamplingConfig, play
+from opd_jax.episodes import SamplingConfig, play
 from tests.models.helpers import random_model
 
 MAX_POS = 40

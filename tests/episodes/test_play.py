@@ -10,8 +10,9 @@ import pytest
 from opd_jax import envs
 from opd_jax.envs.base import StepResult, Task, register_env
 from opd_jax.models import ModelConfig, synthetic_tokenizer
-from opd_jax.rollout import SamplingParams, engine, process_logits, wal
-from opd_jax.trainers.episodes import SamplingConfig, play
+from opd_jax.episodes import wal
+from opd_jax.rollout import SamplingParams, engine, process_logits
+from opd_jax.episodes import SamplingConfig, play
 from tests.models.helpers import random_model
 
 OBS = "<|tool|>ok<|assistant|>"
@@ -92,7 +93,7 @@ def test_a_full_cache_is_reprefilled_exactly():
     sampling = SamplingConfig(max_new_tokens=12, max_turns=8, use_think_budget=False)
     base = play(model, tok, tasks, sampling, seed=3)
     grown = {}
-    from opd_jax.trainers import episodes as ep_mod
+    from opd_jax.episodes import runner as ep_mod
     orig = ep_mod._Play.load
 
     def big_first(self, live, turn, extra):

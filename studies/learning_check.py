@@ -9,7 +9,7 @@ arithmetic alone costs the coding cell most of its reward (0.75 -> 0.24 measured
 coding cell checks that distillation does not forget. Rewards are greedy on held-out tasks
 (the eval split), per task, so a change is judged by a paired difference on the same tasks.
 
-    python -m opd_jax.recipes.learning_check --workdir runs/learning_check
+    python -m studies.learning_check --workdir runs/learning_check
 
 prints, per run and cell: student reward before -> after, the teacher's reward, the fraction
 of the teacher's reward reached (the student's level: the mean of its last three held-out
@@ -40,14 +40,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+import time
 
 import numpy as np
 
+from opd_jax import envs
+from opd_jax.episodes import SamplingConfig, play
+from opd_jax.models import ModelRef, synthetic_tokenizer
 from opd_jax.recipes import trainer_config
+from opd_jax.recipes.report import code_commit
+from opd_jax.trainers.evaluate import heldout_tasks
+from opd_jax.trainers.metrics import read_metrics
+from opd_jax.trainers.run_policy import train_policy
+from opd_jax.trainers.run_sft import train_sft
 
 STUDENT = "builtin:base"
 FAMILIES = {"general": "arithmetic", "coding": "code_trace"}
-CELLS = ("general/high", "coding/high")
+CELLS = tuple(envs.cell_name(d, "high") for d in FAMILIES)     # general/high, coding/high
 DIFFICULTY = 2
 MAX_NEW_TOKENS = 64          # a difficulty-2 code_trace scratchpad is about 40 tokens
 # Specialists start from the student: (family, SFT steps, lr) per domain.
@@ -74,7 +84,7 @@ SETTINGS = {   # rollout prompts per iteration, minibatches, lr (schedule), iter
 #   reuse2 each batch used twice: PPO ratio against the sampling policy, r from lp_old,
 #          the IcePop gate on the train/sampler mismatch (8 optimizer steps per iteration);
 #   iw05   IW-OPD position weighting, token weight 1 + 0.5 (1 - prefix share).
-# `python -m opd_jax.recipes.learning_check --objectives kimi_g1 kimi_g4 ...` prints them.
+# `python -m studies.learning_check --objectives kimi_g1 kimi_g4 ...` prints them.
 REFERENCE_ROW = "kimi_g1"    # the ablation's baseline: the other rows are compared with it
 _ABLATION = dict(objective="kimi_mopd", prompts=64, minibatches=4, lr=3e-4, schedule="cosine",
                  iterations=120)
@@ -115,7 +125,6 @@ SETTINGS |= {
 
 def sft(workdir: str, families: dict, steps: int, *, init_from: str = STUDENT,
         lr: float = 1e-3) -> str:
-    from opd_jax.trainers.run_sft import train_sft
     over = [f"--config.data.tasks.families={families}", "--config.data.tasks.efforts=('high',)",
             f"--config.data.tasks.difficulty={DIFFICULTY}", "--config.data.seq_len=128",
             "--config.data.batch_size=32", f"--config.train.steps={steps}",
@@ -127,17 +136,13 @@ def sft(workdir: str, families: dict, steps: int, *, init_from: str = STUDENT,
 
 def rewards(path: str, n: int = EVAL_N) -> dict[str, np.ndarray]:
     """Per-task held-out rewards of a checkpoint, per cell (greedy: deterministic)."""
-    from opd_jax.models import synthetic_tokenizer
-    from opd_jax.teachers import TeacherSpec
-    from opd_jax.trainers.episodes import SamplingConfig, play
-    from opd_jax.trainers.evaluate import heldout_tasks
     tasks = heldout_tasks(FAMILIES, ("high",), n=n, seed=0, difficulty=DIFFICULTY)
-    eps = play(TeacherSpec(path).load(), synthetic_tokenizer(), tasks,
+    eps = play(ModelRef(path).load(), synthetic_tokenizer(), tasks,
                SamplingConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, max_turns=1),
                seed=0)
     out: dict[str, list] = {c: [] for c in CELLS}
     for e in eps:
-        out[f"{e.task.domain}/{e.task.effort}"].append(e.reward)
+        out[envs.cell_of(e.task)].append(e.reward)
     return {c: np.asarray(v) for c, v in out.items()}
 
 
@@ -146,7 +151,8 @@ def setup(root: str) -> dict:
     student = STUDENT
     paths = {d: sft(os.path.join(root, f"t_{d}"), {d: fam}, steps, lr=lr)
              for d, (fam, steps, lr) in SPECIALISTS.items()}
-    teacher = {f"{d}/high": float(rewards(p)[f"{d}/high"].mean()) for d, p in paths.items()}
+    teacher = {envs.cell_name(d, "high"): float(rewards(p)[envs.cell_name(d, "high")].mean())
+               for d, p in paths.items()}
     return {"root": root, "student": student, "teachers": paths, "teacher_reward": teacher,
             "student_rewards": rewards(student)}
 
@@ -154,7 +160,6 @@ def setup(root: str) -> dict:
 def train(models: dict, row: str, iterations: int | None = None) -> str:
     """GRPO (arithmetic cell) or an OPD objective (both cells) from the student, with the
     settings of `SETTINGS[row]` (a row names its objective, or is named after it)."""
-    from opd_jax.trainers.run_policy import train_policy
     s = SETTINGS[row]
     objective = s.get("objective", row)
     preset = "grpo.py:tiny" if objective == "grpo" else f"opd.py:{objective}"
@@ -164,7 +169,7 @@ def train(models: dict, row: str, iterations: int | None = None) -> str:
                  f"--config.rollout.group_size={s['group_size']}"]
     else:
         t = teachers_of(models, row)
-        paths = {f"{d}/high": p for d, p in t.items()} | dict(t)
+        paths = {envs.cell_name(d, "high"): p for d, p in t.items()} | dict(t)
         extra += [f"--config.teachers.paths={paths}",
                   f"--config.rollout.group_size={s.get('group_size', 1)}"]
     cfg = trainer_config(
@@ -199,12 +204,12 @@ def teachers_of(models: dict, row: str) -> dict[str, str]:
 
 
 def summarize(models: dict, run: str, row: str | None = None) -> dict:
-    from opd_jax.trainers.metrics import read_metrics
     before, after = models["student_rewards"], rewards(run)
     history = read_metrics(run)
     teacher_reward = dict(models["teacher_reward"])
     for d in (SETTINGS[row].get("teachers", {}) if row else {}):
-        teacher_reward[f"{d}/high"] = float(rewards(teachers_of(models, row)[d])[f"{d}/high"].mean())
+        cell = envs.cell_name(d, "high")
+        teacher_reward[cell] = float(rewards(teachers_of(models, row)[d])[cell].mean())
     out = {}
     for c in CELLS:
         d = after[c] - before[c]
@@ -306,15 +311,11 @@ def report_md(results: dict) -> str:
               "`*_from_grpo` rows distill the `grpo` row's 40-step RL model and the "
               "`*_from_grpo160` rows the `grpo160` row's 160-step one, evaluated every "
               "2 iterations (one optimizer step each).",
-              "", f"Commands: " + "; ".join(f"`{c}`" for c in results.get("commands", []))]
+              "", "Commands: " + "; ".join(f"`{c}`" for c in results.get("commands", []))]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
-    import sys
-    import time
-
-    from opd_jax.recipes.base_model import _commit
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True)
     p.add_argument("--objectives", nargs="+", default=list(SETTINGS), choices=list(SETTINGS),
@@ -325,7 +326,6 @@ def main(argv=None) -> None:
     if a.report:
         with open(os.path.join(a.workdir, "learning_check.json"), encoding="utf-8") as f:
             results = json.load(f)
-        from opd_jax.trainers.metrics import read_metrics
         for row, r in results["rows"].items():     # rows measured before per-task rewards
             if "after_rewards" not in r["general/high"]:   # were kept: greedy, deterministic
                 after = rewards(os.path.join(a.workdir, row))
@@ -341,7 +341,7 @@ def main(argv=None) -> None:
         with open(os.path.join(a.workdir, "learning_check.md"), "w", encoding="utf-8") as f:
             f.write(report_md(results))
         return
-    command = "python -m opd_jax.recipes.learning_check " + " ".join(
+    command = "python -m studies.learning_check " + " ".join(
         sys.argv[1:] if argv is None else argv)
     models = setup(a.workdir)
     print("teachers (held-out reward on their cell):", models["teacher_reward"], flush=True)
@@ -356,7 +356,7 @@ def main(argv=None) -> None:
         t0 = time.time()
         r = summarize(models, train(models, row), row)
         results["rows"][row] = r | {"settings": SETTINGS[row], "wall_s": time.time() - t0,
-                                    "commit": _commit(), "command": command}
+                                    "commit": code_commit(), "command": command}
         print("\n".join(row_line(row, r)), flush=True)
         with open(path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)

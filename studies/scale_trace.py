@@ -4,7 +4,7 @@ Nothing here allocates: models come from ``nnx.eval_shape``, optimizer states fr
 ``jax.eval_shape``, per-device shards from ``NamedSharding.shard_shape`` on an
 ``AbstractMesh``, the residuals autodiff saves from the public
 ``jax.ad_checkpoint.print_saved_residuals`` and the train steps from ``jax.eval_shape``.
-:mod:`opd_jax.recipes.scale_estimate` turns these numbers into the per-device memory table.
+:mod:`studies.scale_estimate` turns these numbers into the per-device memory table.
 """
 from __future__ import annotations
 
@@ -24,8 +24,14 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AbstractMesh, AxisType
 
 from opd_jax import sharding as sh
+from opd_jax.losses import token_logprobs
 from opd_jax.models import ModelConfig, Transformer
-from opd_jax.trainers.needs import needs_of
+from opd_jax.trainers.objectives import needs_of
+from opd_jax.trainers.objectives import make_objective
+from opd_jax.trainers.policy import policy_step
+from opd_jax.trainers.sft import sft_micro_loss, sft_step
+from opd_jax.trainers.state import TrainState, make_optimizer
+from pallas_kernels import fused_reverse_kl
 
 _HERE = os.path.basename(__file__)
 
@@ -94,7 +100,6 @@ def params_bytes(config: ModelConfig, mesh_shape: tuple, rules: tuple) -> int:
 @functools.lru_cache(maxsize=None)
 def optimizer_bytes(config: ModelConfig, optim_key: str, mesh_shape: tuple, rules: tuple) -> int:
     """Per-device bytes of the optimizer state the trainer's optimizer keeps for the params."""
-    from opd_jax.trainers.state import make_optimizer
     tx = make_optimizer(ml_collections.ConfigDict(json.loads(optim_key)), 100)
     _, params, _ = nnx.split(abstract_model(config), nnx.Param, ...)
     return per_device_bytes(jax.eval_shape(tx.init, params), abstract_mesh(mesh_shape), rules)
@@ -126,8 +131,6 @@ def _batch(kind: str, objective: str | None, rows: int, T: int, teacher_dims: tu
 
 def _loss_fn(kind: str, stage_key: str):
     """(params, rest, batch, teachers) -> scalar loss of one micro-batch, as the trainer's."""
-    from opd_jax.trainers.objectives import make_objective
-    from opd_jax.trainers.sft import sft_micro_loss
     spec = json.loads(stage_key)
     if kind == "sft":
         return lambda g, p, r, b, t: sft_micro_loss(p, r, g, b, 1.0)[0]
@@ -256,12 +259,6 @@ def trace_stage(kind: str, stage_key: str, config: ModelConfig, micro: int, accu
                 T: int, teacher_dims: tuple) -> dict:
     """jax.eval_shape of one forward, the loss's per-token quantity and the whole train step
     at full depth, for one device's share of the batch. Returns the traced shapes."""
-    from opd_jax.losses import token_logprobs
-    from opd_jax.trainers.objectives import make_objective
-    from opd_jax.trainers.policy import policy_step
-    from opd_jax.trainers.sft import sft_step
-    from opd_jax.trainers.state import TrainState, make_optimizer
-    from pallas_kernels import fused_reverse_kl
     spec = json.loads(stage_key)
     graphdef, params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
     tx = make_optimizer(ml_collections.ConfigDict(spec["optim"]), 100)

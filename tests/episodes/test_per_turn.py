@@ -9,7 +9,7 @@ import pytest
 from opd_jax import envs
 from opd_jax.envs.agent import ToolEnv
 from opd_jax.models import ModelConfig, synthetic_tokenizer
-from opd_jax.trainers.episodes import SamplingConfig, play
+from opd_jax.episodes import SamplingConfig, play
 from tests.models.helpers import ScriptedPolicy, random_model, script_rows
 
 CFG = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,

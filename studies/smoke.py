@@ -1,7 +1,7 @@
 """Smoke path for real architectures: Llama-3.2-1B and Qwen3-0.6B shapes, fewer layers.
 
-    opd-jax smoke --out runs/smoke                       # both architectures, 2 layers
-    opd-jax smoke --out runs/smoke --archs qwen3-0.6b --layers 1
+    python -m studies.smoke --out runs/smoke             # both architectures, 2 layers
+    python -m studies.smoke --out runs/smoke --archs qwen3-0.6b --layers 1
 
 For each architecture, a random-weight stand-in of the published shape
 (`ModelConfig.preset`: hidden size, heads, KV heads, head dim, MLP width, RoPE theta and
@@ -45,6 +45,19 @@ import resource
 import shutil
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import transformers
+from flax import nnx
+
+from opd_jax.models import (ModelConfig, Transformer, build_qwen_tokenizer, load_pretrained,
+                            load_tokenizer, save_pretrained)
+from opd_jax.recipes import trainer_config
+from opd_jax.rollout import generate
+from opd_jax.trainers.run_policy import train_policy
+from opd_jax.trainers.run_sft import train_sft
+
 ARCHS = ("llama3.2-1b", "qwen3-0.6b")
 OBJECTIVES = ("deepseek_full_vocab", "kimi_mopd", "glm_cross_stage")
 PROMPT = "What is 2 + 3?"
@@ -53,7 +66,6 @@ PROMPT = "What is 2 + 3?"
 def stand_in_config(arch: str, *, layers: int, vocab_size: int, dtype: str = "bfloat16"):
     """The preset's ModelConfig with `layers` decoder layers (and, for Llama, the Qwen
     tokenizer's vocabulary size: see the module docstring)."""
-    from opd_jax.models import ModelConfig
     if arch not in ARCHS:
         raise ValueError(f"smoke architecture {arch!r}: expected one of {ARCHS}")
     if not isinstance(layers, int) or layers < 1:
@@ -75,11 +87,6 @@ def random_model(cfg, *, seed: int = 0, std: float = 0.02, chunk_rows: int = 819
     Not `Transformer(cfg, rngs=...)`: its init draws a 151k-row embedding through JAX's
     random bits with several fp32 temporaries of that size (a 2-layer Llama stand-in
     peaked at 5.9 GB of RSS for 0.9 GB of bf16 weights, eagerly or under jit)."""
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from opd_jax.models import Transformer
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     rng = np.random.default_rng(seed)
     flat = list(nnx.to_flat_state(params))
@@ -102,9 +109,6 @@ def random_model(cfg, *, seed: int = 0, std: float = 0.02, chunk_rows: int = 819
 def export(cfg, path: str, tokenizer_dir: str, *, seed: int = 0) -> dict:
     """A random-weight model of `cfg` written as an HF folder (+ tokenizer files); its
     config.json read back by transformers' AutoConfig (local files only)."""
-    import transformers
-
-    from opd_jax.models import save_pretrained
     model = random_model(cfg, seed=seed)
     save_pretrained(model, path)
     del model
@@ -122,7 +126,6 @@ def export(cfg, path: str, tokenizer_dir: str, *, seed: int = 0) -> dict:
 
 
 def sft_config(folder: str, tokenizer_dir: str, *, seq_len: int, batch: int, dtype: str):
-    from opd_jax.recipes import trainer_config
     return trainer_config(
         "sft.py:tasks", f"--config.model.init_from={folder}", f"--config.tokenizer={tokenizer_dir}",
         f"--config.model.dtype={dtype}", f"--config.model.param_dtype={dtype}",
@@ -136,7 +139,6 @@ def sft_config(folder: str, tokenizer_dir: str, *, seq_len: int, batch: int, dty
 
 def opd_config(folder: str, tokenizer_dir: str, *, objective: str, prompts: int,
                max_new_tokens: int, dtype: str):
-    from opd_jax.recipes import trainer_config
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: expected one of {OBJECTIVES}")
     # routing "cell" (kimi) keys by domain/effort, "domain" (glm, deepseek) by domain.
@@ -157,8 +159,6 @@ def opd_config(folder: str, tokenizer_dir: str, *, objective: str, prompts: int,
 
 def generate_text(folder: str, tokenizer, *, new_tokens: int, dtype: str) -> dict:
     """Greedy `new_tokens` tokens from the exported folder on a Qwen chat prompt."""
-    from opd_jax.models import load_pretrained
-    from opd_jax.rollout import generate
     model = load_pretrained(folder, dtype=dtype, param_dtype=dtype)
     prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
                                                 add_generation_prompt=True, tokenize=True,
@@ -179,11 +179,6 @@ def run_arch(arch: str, out: str, tokenizer_dir: str, *, layers: int = 2, seq_le
              batch: int = 2, prompts: int = 2, new_tokens: int = 6,
              objective: str = "deepseek_full_vocab", dtype: str = "bfloat16") -> dict:
     """Export, one SFT step, one OPD iteration and one generate for `arch`; a result row."""
-    import jax
-
-    from opd_jax.models import load_tokenizer
-    from opd_jax.trainers.run_policy import train_policy
-    from opd_jax.trainers.run_sft import train_sft
     tokenizer = load_tokenizer(tokenizer_dir)
     cfg = stand_in_config(arch, layers=layers, vocab_size=len(tokenizer), dtype=dtype)
     root = os.path.join(out, arch)
@@ -233,11 +228,9 @@ def run_arch(arch: str, out: str, tokenizer_dir: str, *, layers: int = 2, seq_le
 
 def run_smoke(out: str, *, archs=ARCHS, layers: int = 2, **kw) -> list[dict]:
     """Every architecture of `archs` through `run_arch` under `out`; writes smoke.json."""
-    from opd_jax.models import build_qwen_tokenizer
     unknown = [a for a in archs if a not in ARCHS]
     if unknown:
         raise ValueError(f"smoke --archs {unknown}: expected some of {ARCHS}")
-    import jax
     if jax.device_count() != 1:
         raise ValueError(f"smoke runs on one device (batch of 2 rows); this process has "
                          f"{jax.device_count()} (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
@@ -267,7 +260,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="opd-jax smoke", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m studies.smoke",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for the models, runs and smoke.json")
     p.add_argument("--archs", default=",".join(ARCHS),
                    help=f"comma-separated, from {', '.join(ARCHS)}")

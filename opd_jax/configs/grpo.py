@@ -12,15 +12,14 @@ token-mean), ``drgrpo`` (no std scaling, max_len aggregation).
 """
 import ml_collections
 
-from _sections import policy_base
+from _sections import correction_config, policy_base
 
 
 def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c = policy_base()
     c.objective = ml_collections.ConfigDict(dict(name="grpo", options=ml_collections.ConfigDict(dict(
-        eps_low=0.2, eps_high=0.2, correction="icepop", icepop_bounds=(0.5, 5.0),
-        icepop_normalizer="all", tis_cap=2.0, aggregation="token_mean", max_len=None,
-        kl_beta=0.0))))
+        eps_low=0.2, eps_high=0.2, correction=correction_config(), aggregation="token_mean",
+        max_len=None, kl_beta=0.0))))
     if arg == "tiny":
         pass
     elif arg == "dapo":

@@ -1,11 +1,11 @@
 """Shape checks and a per-device memory estimate of the scale-up presets.
 
 The presets (``scale_v5p64``, ``scale_8xh100``) are made by
-:func:`opd_jax.recipes.scale_up.apply_scale`; the abstract shapes behind the numbers (sharded
-bytes, saved residuals, traced steps) come from :mod:`opd_jax.recipes.scale_trace`.
+:func:`studies.scale_up.apply_scale`; the abstract shapes behind the numbers (sharded
+bytes, saved residuals, traced steps) come from :mod:`studies.scale_trace`.
 
-    python -m opd_jax.recipes.scale_estimate --config experiments/kimi_k3/config.py:scale_8xh100
-    python -m opd_jax.recipes.scale_up        # the same command line; every recipe x both meshes
+    python -m studies.scale_estimate --config experiments/kimi_k3/config.py:scale_8xh100
+    python -m studies.scale_estimate        # every recipe x both meshes
 
 For a config, :func:`estimate` builds the recipe's stages (``build(c, seed)``,
 ``check_stages``), resolves each stage's model (the stage it starts from, checked against
@@ -83,11 +83,15 @@ import ml_collections
 from jax.sharding import AbstractMesh
 
 from opd_jax import sharding as sh
+from opd_jax.config import load_config
 from opd_jax.models import ModelConfig
-from opd_jax.recipes.scale_trace import (_rules, _stage_key, abstract_mesh, activation_bytes,
-                                         optimizer_bytes, params_bytes, trace_stage)
-from opd_jax.recipes.scale_up import MESHES, SECTIONS, STUDENT, TEACHER
-from opd_jax.trainers.needs import needs_of
+from opd_jax.recipes import recipe_module
+from opd_jax.recipes.pipeline import check_stages
+from opd_jax.trainers.builders import model_config_from, policy_rows
+from opd_jax.trainers.objectives import needs_of
+from studies.scale_trace import (_rules, _stage_key, abstract_mesh, activation_bytes,
+                                 optimizer_bytes, params_bytes, trace_stage)
+from studies.scale_up import MESHES, SECTIONS, STUDENT, TEACHER
 
 GIB = 1024 ** 3
 
@@ -97,7 +101,6 @@ def stage_models(stages) -> dict[str, ModelConfig]:
     from, which must have the same architecture as the section (the runtime reads the
     checkpoint's; a differing section would be silently ignored). Teachers and merged
     models must share the student's vocabulary / the base's architecture."""
-    from opd_jax.trainers.builders import model_config_from
     models: dict[str, ModelConfig] = {}
     for s in stages:
         if s.kind == "merge":
@@ -156,7 +159,6 @@ def geometry(stage, mesh: AbstractMesh) -> Geometry:
                              f"optim.grad_accum={accum} micro-batches over {devices} batch "
                              f"devices; expected a multiple of {devices * accum}")
         return Geometry(B // devices, B // devices // accum, T, accum)
-    from opd_jax.trainers.builders import policy_rows
     try:
         rows = policy_rows(cfg, devices)
     except ValueError as e:
@@ -171,8 +173,6 @@ def geometry(stage, mesh: AbstractMesh) -> Geometry:
 
 def plan(c: ml_collections.ConfigDict):
     """The recipe's stages for its first seed, checked (names, references)."""
-    from opd_jax.recipes import recipe_module
-    from opd_jax.recipes.pipeline import check_stages
     stages = recipe_module(c.recipe).build(c, int(tuple(c.seeds)[0]))
     check_stages(stages)
     return stages
@@ -347,13 +347,12 @@ def report(c: ml_collections.ConfigDict, *, trace: bool = True) -> str:
 
 
 def main(argv=None) -> None:
-    from opd_jax.config import load_config
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", help="experiments/<recipe>/config.py:"
                         "scale_v5p64 or :scale_8xh100 (repeatable; default: all six)")
     parser.add_argument("--no_trace", action="store_true", help="skip the full-depth traces")
     args = parser.parse_args(argv)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     specs = args.config or [os.path.join(root, "experiments", r, f"config.py:{p}")
                             for r in SECTIONS for p in MESHES]
     blocks = [report(load_config(spec), trace=not args.no_trace) for spec in specs]

@@ -11,11 +11,11 @@ decoder layer's forward recomputed in the backward; without it no training stage
 T = 4096). They are compile-checked, not run: paths such as ``/path/to/Qwen3-1.7B``
 are placeholders for a local Hugging Face folder (config.json, tokenizer and safetensors)
 that the real run must point to. The shape checks and the per-device memory estimate are
-in :mod:`opd_jax.recipes.scale_estimate`; this module only imports ``ml_collections`` and
-the model presets, so every experiment config can import it.
+in :mod:`studies.scale_estimate` (its command line); this module only imports
+``ml_collections`` and the model presets, so every experiment config can import it.
 
-    python -m opd_jax.recipes.scale_up --config experiments/kimi_k3/config.py:scale_8xh100
-    python -m opd_jax.recipes.scale_up        # every recipe x both meshes
+    python -m studies.scale_estimate --config experiments/kimi_k3/config.py:scale_8xh100
+    python -m studies.scale_estimate        # every recipe x both meshes
 """
 from __future__ import annotations
 
@@ -117,13 +117,3 @@ def apply_scale(c: ml_collections.ConfigDict, preset: str) -> ml_collections.Con
     c.eval.update(dict(n=256, batch_size=256))
     c.eval.sampling.max_new_tokens = MAX_NEW_TOKENS
     return c
-
-
-def main(argv=None) -> None:
-    """The estimate's command line (:func:`opd_jax.recipes.scale_estimate.main`)."""
-    from opd_jax.recipes.scale_estimate import main as estimate_main
-    estimate_main(argv)
-
-
-if __name__ == "__main__":
-    main()
