@@ -29,6 +29,7 @@ from opd_jax.models.safetensors_io import write_folder
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QK = 32     # elements per block of the 8- and 4-bit types
+CONVERTER = 1   # bumped when the conversion's output changes: cached folders are keyed by it
 
 # llama.cpp tensor names -> HF names: blk.<i>.<key>.<weight|bias> -> model.layers.<i>.<value>
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -215,11 +216,12 @@ def cache_root() -> str:
 
 def gguf_folder(path) -> str:
     """The HF folder of a GGUF file, converted once into the cache (keyed by the file's
-    sha256; a concurrent conversion of the same file is harmless: the rename is atomic)."""
+    sha256 and the converter's version; a concurrent conversion of the same file is
+    harmless: the rename is atomic)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-    folder = os.path.join(cache_root(), file_sha256(path)[:24])
+    folder = os.path.join(cache_root(), f"{file_sha256(path)[:24]}-v{CONVERTER}")
     if not os.path.isfile(os.path.join(folder, "config.json")):
         try:
             convert_gguf(path, folder)
