@@ -248,8 +248,9 @@ class Layout:
     mesh: Mesh
     rules: tuple = DEFAULT_RULES
 
-    def __post_init__(self):   # hashable: rules from a config are lists
-        object.__setattr__(self, "rules", tuple(tuple(r) for r in self.rules))
+    def __post_init__(self):   # hashable: rules from a config are (nested) lists
+        freeze = lambda x: tuple(map(freeze, x)) if isinstance(x, (list, tuple)) else x  # noqa: E731
+        object.__setattr__(self, "rules", freeze(self.rules))
 
     def batch(self, ndim: int = 2) -> NamedSharding:
         """A [B, ...] array's sharding: B over the `batch` rule, the rest replicated."""

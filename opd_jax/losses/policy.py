@@ -113,6 +113,8 @@ class Correction:
             return value
         if value is None or isinstance(value, str):
             return cls(kind=value)
+        if hasattr(value, "to_dict"):      # an ml_collections ConfigDict section
+            value = value.to_dict()
         if isinstance(value, Mapping):
             unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
             if unknown:

@@ -159,7 +159,8 @@ def gguf_tensors(path, reader=None) -> dict[str, np.ndarray]:
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))   # GGUF lists ne0 first
         w = dequantize(t.data, types[t.tensor_type], shape)
         name = hf_name(t.name)
-        if cfg["model_type"] == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if cfg["model_type"] == "llama" and name.endswith(
+                ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
             w = unpermute(w, cfg["num_attention_heads"] if "q_proj" in name
                           else cfg["num_key_value_heads"])
         out[name] = w
@@ -201,7 +202,19 @@ def convert_gguf(path, out_dir) -> str:
     return out_dir
 
 
+_SHA: dict[tuple, str] = {}
+
+
 def file_sha256(path) -> str:
+    """The file's sha256, hashed once per process for an unchanged file (size, mtime)."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _SHA:
+        _SHA[key] = _hash(path)
+    return _SHA[key]
+
+
+def _hash(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):

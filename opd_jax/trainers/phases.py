@@ -255,7 +255,6 @@ class Updater:
         run, layout = self.run, self.run.setup.layout
         rng = np.random.default_rng(self.seed * 7919 + it)
         B, mb, steps = len(batch["adv"]), self.rows, []
-        first = it * self.rl.ppo_epochs * self.rl.minibatches   # state.step, kept on the host
         for _ in range(self.rl.ppo_epochs):
             perm = rng.permutation(B)
             for k in range(self.rl.minibatches):
@@ -263,7 +262,8 @@ class Updater:
                 sub = layout.take_rows(batch, idx)     # on device, in the batch sharding
                 run.state, m = self._step_fn(len(scores.unembeddings))(
                     run.state, sub, scores.unembeddings)
-                run.check_late(first + len(steps) + 1, m)
+                run.step += 1                          # = state.step, without a host sync
+                run.check_late(run.step, m)
                 steps.append(m)
         run.check_now()
         return mean_step_metrics([named_metrics(m, scores.order)

@@ -1,9 +1,9 @@
 """One run skeleton, shared by SFT and the policy trainers.
 
-    run = Run.open(cfg, workdir, kind="sft", setup=setup, total_steps=N, iterator=data_iter,
-                   resume_with_changes=False)
+    run = Run.open(cfg, workdir, kind="sft", setup=Setup.of(cfg), optimizer_steps=N,
+                   iterator=data_iter)
     step_fn = run.compile(functools.partial(sft_step, graphdef=run.graphdef, tx=run.tx))
-    for step in run.progress(run.start, N, desc="sft"):
+    for step in run.progress(N, desc="sft"):
         run.state, metrics = step_fn(run.state, batch)
         run.check_late(step + 1, metrics)         # the divergence check, one step late
         ...
@@ -13,7 +13,8 @@
 What it owns: the workdir (lock, config pin, the checkpoints' model check:
 `trainers.workdir.open_workdir`), the model built or loaded onto the mesh, the optimizer
 and the train state placed in its shardings and restored on resume (with the data
-iterator), the compiled step (`state.compile_step`, non-finite steps skipped when
+iterator; `initial_params`, a copy of the parameters as built, before any restore, for a
+run that keeps a frozen reference policy), the compiled step (`state.compile_step`, non-finite steps skipped when
 ``train.max_bad_steps`` allows), the divergence guard, the metrics writer, the progress
 bar and the checkpoint meta (model config, tokenizer identity, run kind).
 """
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from tqdm.auto import tqdm
 
@@ -68,15 +70,20 @@ class Run:
     guard: DivergenceGuard
     writer: MetricsWriter
     meta: dict
+    initial_params: Any = None
+    step: int = 0          # the state's optimizer step, kept on the host (read once, at open)
     _pending: tuple | None = None
 
     @classmethod
     def open(cls, cfg, workdir: str, *, kind: str, setup: Setup, optimizer_steps: int,
              iterator, steps_per_unit: int = 1, resume_with_changes: bool = False,
-             guard_unit: str = "step") -> Run:
+             guard_unit: str = "step", keep_initial_params: bool = False) -> Run:
         """Open the workdir, build the model and state (restored on resume with
         `iterator`). `steps_per_unit`: optimizer steps per unit of `start` (a policy
-        iteration's steps; 1 for SFT)."""
+        iteration's steps; 1 for SFT). `keep_initial_params`: keep a copy of the
+        parameters as built (init or `init_from`), taken before a resume restores the
+        state: the frozen reference of a KL penalty is the initial policy, not the resumed
+        one."""
         model_meta = setup.model_config.to_dict()
         ckpt = open_workdir(workdir, cfg, model_meta, resume_with_changes=resume_with_changes)
         try:
@@ -84,6 +91,8 @@ class Run:
             tx = make_optimizer(cfg.optim, optimizer_steps)
             graphdef, state = create_state(model, tx)
             state, shardings = place_state(state, setup.mesh, setup.rules)
+            initial = (jax.tree.map(jnp.copy, state.params) if keep_initial_params
+                       else None)
             start = 0
             if ckpt.latest_step() is not None:
                 state, _ = ckpt.restore(None, abstract_like(state), iterator)
@@ -97,7 +106,7 @@ class Run:
         meta = {"model": model_meta, "kind": kind,
                 "tokenizer": builders.tokenizer_meta(cfg.tokenizer, setup.tokenizer)}
         return cls(cfg, workdir, setup, ckpt, iterator, tx, graphdef, state, shardings, start,
-                   guard, writer, meta)
+                   guard, writer, meta, initial, int(state.step))
 
     def compile(self, step_fn: Callable, *, extra_shardings=()) -> Callable:
         """`step_fn(state, batch, *extra)` jitted with the state's shardings (and the
@@ -124,7 +133,8 @@ class Run:
         return tqdm(range(self.start, total), initial=self.start, total=total, desc=desc,
                     disable=not enabled or jax.process_index() != 0, dynamic_ncols=True)
 
-    def due(self, done: int, every: int, total: int) -> bool:
+    @staticmethod
+    def due(done: int, every: int, total: int) -> bool:
         return done % every == 0 or done == total
 
     def save(self, step: int, **meta) -> None:

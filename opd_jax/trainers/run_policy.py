@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from opd_jax import sharding as sh
@@ -74,12 +73,11 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
     steps, per_iter = cfg.train.steps, cfg.rl.ppo_epochs * cfg.rl.minibatches
     run = Run.open(cfg, workdir, kind=cfg.objective.name, setup=setup, iterator=task_iter,
                    optimizer_steps=steps * per_iter, steps_per_unit=per_iter,
-                   resume_with_changes=resume_with_changes, guard_unit="optimizer step")
+                   resume_with_changes=resume_with_changes, guard_unit="optimizer step",
+                   keep_initial_params=needs.wants_reference(objective))
     try:
         judge, batcher = Judge(cfg, setup.tokenizer), Batcher(cfg, setup.model_config)
-        ref_params = (jax.tree.map(jnp.copy, run.state.params)
-                      if needs.wants_reference(objective) else None)
-        old_logprobs = OldLogprobs(run, objective, rows, ref_params)
+        old_logprobs = OldLogprobs(run, objective, rows, run.initial_params)
         update = Updater(run, objective, rows)
         heldout = evaluate.HeldOut(cfg, cells, setup.tokenizer, teachers.cell_weights)
         rollout = Rollout(cfg.rollout, setup.tokenizer, setup.mesh, seed=cfg.seed,
@@ -89,7 +87,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
         for it in bar:
             timer, done = Timer(), it + 1
             with timer("rollout"):
-                episodes, m_rollout = rollout(student(run), next(task_iter), it, it * per_iter)
+                episodes, m_rollout = rollout(student(run), next(task_iter), it, run.step)
             with timer("judge", record=judge.enabled):
                 judge_B, m_judge = judge(episodes)
             seqs, batch, metrics = batcher(episodes, judge_B)
@@ -115,7 +113,7 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                 run.writer.write(done, metrics)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             if run.due(done, cfg.train.ckpt_every, steps):
-                run.save(done * per_iter, iteration=done)
+                run.save(run.step, iteration=done)
                 rollout.log.checkpointed(done)
     finally:
         run.close()

@@ -27,6 +27,7 @@ from opd_jax.trainers import builders
 from opd_jax.trainers.run import Run, Setup
 from opd_jax.trainers.sft import sft_step
 
+
 def train_sft(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = True,
               resume_with_changes: bool = False) -> dict:
     """Run (or resume) SFT; returns ``{"step", "loss", "checkpoint"}`` of the last step.

@@ -35,7 +35,9 @@ def _cli(command, preset, workdir, *extra):
 @pytest.mark.parametrize("command,preset", [("grpo", "grpo.py:tiny"),
                                             ("opd", "opd.py:deepseek_full_vocab")])
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, command, preset):
-    extra = ["--config.rollout.group_size=2"] if command == "grpo" else []
+    # GRPO with its KL penalty on: the resumed run's reference must be the initial policy
+    extra = (["--config.rollout.group_size=2", "--config.objective.options.kl_beta=0.1"]
+             if command == "grpo" else [])
     if command == "opd":   # two teachers, room for one: loads/evictions are part of the state
         t1, t2 = _teacher(tmp_path / "t1"), _teacher(tmp_path / "t2")
         extra = ["--config.tasks.efforts=('low', 'high')", "--config.teachers.routing=cell",
