@@ -22,7 +22,7 @@ from opd_jax import envs, losses
 from opd_jax.envs import cell_of
 from opd_jax.episodes import SamplingConfig, build_sequences, play
 from opd_jax.teachers import (TeacherBank, TeacherScorer, TeacherScores, check_routing,
-                              in_row_chunks, teacher_fields, teacher_weights)
+                              in_row_chunks, teacher_fields)
 from opd_jax.teachers.scoring import MODEL_INPUTS
 from opd_jax.trainers import builders
 from opd_jax.trainers.builders import task_cells
@@ -44,12 +44,6 @@ def task_dataset(t: ml_collections.ConfigDict, batch: int) -> grain.IterDataset:
                              f"not {d!r}")
     return grain.MapDataset.source(src).shuffle(seed=t.seed).repeat(None).batch(
         batch, batch_fn=list).to_iter_dataset()
-
-
-def route(task: envs.Task, routing: str, table: dict) -> str:
-    """Teacher key of a task under single-teacher routing ("cell", "domain" or "table")."""
-    (key,) = teacher_weights(task.domain, task.effort, routing, table=table)
-    return key
 
 
 class Timer:

@@ -5,9 +5,8 @@ import pytest
 
 from opd_jax import envs, losses
 from opd_jax.models import ModelConfig, save_pretrained
-from opd_jax.teachers import TeacherBank
+from opd_jax.teachers import TeacherBank, teacher_weights
 from opd_jax.trainers.objectives import make_objective, student_logp
-from opd_jax.trainers.phases import route
 from opd_jax.episodes.sequences import align_to_student, build_sequences
 from tests.models.helpers import random_model
 
@@ -69,11 +68,15 @@ def test_teacher_bank_lru_and_errors(tmp_path):
         TeacherBank({"x": str(tmp_path / "missing")}).validate(32)
 
 
+def route(task, routing, table):
+    return teacher_weights(task.domain, task.effort, routing, table=table)
+
+
 def test_routing_errors():
     task = envs.TaskSource("arithmetic", size=1, effort="max")[0]
-    assert route(task, "cell", {}) == "general/max"
-    assert route(task, "domain", {}) == "general"
-    assert route(task, "table", {"general": "stage1"}) == "stage1"
+    assert route(task, "cell", {}) == {"general/max": 1.0}
+    assert route(task, "domain", {}) == {"general": 1.0}
+    assert route(task, "table", {"general": "stage1"}) == {"stage1": 1.0}
     with pytest.raises(KeyError, match="no teacher for \\(domain, effort\\) 'general/max'"):
         route(task, "table", {"agent": "x"})
 
