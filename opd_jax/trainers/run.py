@@ -13,10 +13,11 @@
 What it owns: the workdir (lock, config pin, the checkpoints' model check:
 `trainers.workdir.open_workdir`), the model built or loaded onto the mesh, the optimizer
 and the train state placed in its shardings and restored on resume (with the data
-iterator; `initial_params`, a copy of the parameters as built, before any restore, for a
-run that keeps a frozen reference policy), the compiled step (`state.compile_step`, non-finite steps skipped when
-``train.max_bad_steps`` allows), the divergence guard, the metrics writer, the progress
-bar and the checkpoint meta (model config, tokenizer identity, run kind).
+iterator; `initial_params`: a copy of the parameters as built, before any restore, for a
+run that keeps a frozen reference policy; `step`: the state's step kept on the host), the
+compiled step (`state.compile_step`, non-finite steps skipped when ``train.max_bad_steps``
+allows), the divergence guard, the metrics writer, the progress bar and the checkpoint
+meta (model config, tokenizer identity, run kind).
 """
 from __future__ import annotations
 
