@@ -15,7 +15,7 @@ from opd_jax.envs.base import (DEFAULT_EFFORTS, DOMAINS, KNOWN_EFFORTS, PER_TURN
                                register_env, register_family, render_prompt, score,
                                turn_control, turn_mode, turn_modes)
 from opd_jax.envs.data import (EVAL_BUCKETS, SCHEDULE_TURNS, JsonlSource, MixtureSource,
-                               TaskSource, draw_turn_modes, grid_source, load_jsonl,
+                               TaskSource, check_family_domain, draw_turn_modes, grid_source, load_jsonl,
                                save_jsonl, split_of)
 from opd_jax.envs.parsing import count_tokens, parse_response
 from opd_jax.envs.rewards import (CompositeReward, GenerativeRewardModel, LengthReward,
@@ -29,7 +29,7 @@ __all__ = [
     "SingleTurnEnv", "StepResult", "Task", "TaskFamily", "effort_spec", "get_family",
     "list_families", "make_env", "register_env", "register_family", "render_prompt", "score",
     "turn_control", "turn_mode", "turn_modes",
-    "EVAL_BUCKETS", "SCHEDULE_TURNS", "JsonlSource", "MixtureSource", "TaskSource",
+    "EVAL_BUCKETS", "SCHEDULE_TURNS", "JsonlSource", "MixtureSource", "TaskSource", "check_family_domain",
     "draw_turn_modes", "grid_source", "load_jsonl", "save_jsonl", "split_of",
     "count_tokens", "parse_response", "CompositeReward", "GenerativeRewardModel",
     "LengthReward", "format_reward", "score_batch", "step_many", "task_reward",

@@ -167,6 +167,13 @@ class MixtureSource:
         return f"MixtureSource([{', '.join(repr(s) for s in self.sources)}])"
 
 
+def check_family_domain(family: str, domain: str) -> None:
+    """Raise unless task family `family` belongs to `domain` (a config's families table)."""
+    if get_family(family).domain != domain:
+        raise ValueError(f"family {family!r} is in domain {get_family(family).domain!r}, "
+                         f"not {domain!r}")
+
+
 def grid_source(families: dict[str, str], efforts: Sequence[str | EffortSpec] = ("low", "high",
                 "max"), *, size: int, seed: int = 0, difficulty: int = 1,
                 split: str = "train") -> MixtureSource:
@@ -176,9 +183,7 @@ def grid_source(families: dict[str, str], efforts: Sequence[str | EffortSpec] = 
     """
     cells = []
     for domain, fam in families.items():
-        if get_family(fam).domain != domain:
-            raise ValueError(f"family {fam!r} is in domain {get_family(fam).domain!r}, "
-                             f"not {domain!r}")
+        check_family_domain(fam, domain)
         for e in efforts:
             cells.append(TaskSource(fam, size=size, seed=seed, difficulty=difficulty,
                                     effort=e, split=split))

@@ -185,6 +185,8 @@ def build_sft_dataset(d: ml_collections.ConfigDict, tokenizer):
 def task_cells(t: ml_collections.ConfigDict) -> list[tuple[str, str, str]]:
     """(domain, family, effort) cells of a tasks section (policy runs' `tasks`, SFT's
     `data.tasks`): families x efforts, or only `t.cells` ("domain/effort" names)."""
+    for d, fam in t.families.items():
+        envs.check_family_domain(fam, d)
     grid = [(d, fam, e) for d, fam in t.families.items() for e in t.efforts]
     only = tuple(t.get("cells", ()) or ())
     if not only:
@@ -197,18 +199,18 @@ def task_cells(t: ml_collections.ConfigDict) -> list[tuple[str, str, str]]:
     return [names[c] for c in only]
 
 
+def train_source(t: ml_collections.ConfigDict) -> envs.MixtureSource:
+    """The train-split tasks of a tasks section's cells (`task_cells`), mixed."""
+    return envs.MixtureSource([envs.TaskSource(fam, size=t.size, seed=t.seed, effort=e,
+                                               difficulty=t.difficulty, split="train")
+                               for _, fam, e in task_cells(t)])
+
+
 def task_demo_examples(t: ml_collections.ConfigDict) -> list[dict]:
     """SFT cold-start data: each train-split task's student prompt and its family's demo
     (`data.corpus.demo_example`: tool observations kept in context, not trained), over the
     families x efforts grid or only its `t.cells` (as the policy trainers read them)."""
-    for d, fam, _ in task_cells(t):
-        if envs.get_family(fam).domain != d:
-            raise ValueError(f"family {fam!r} is in domain {envs.get_family(fam).domain!r}, "
-                             f"not {d!r}")
-    src = envs.MixtureSource([envs.TaskSource(fam, size=t.size, seed=t.seed, effort=e,
-                                              difficulty=t.difficulty, split="train")
-                              for _, fam, e in task_cells(t)])
-    out = [ex for ex in map(demo_example, src) if ex is not None]
+    out = [ex for ex in map(demo_example, train_source(t)) if ex is not None]
     if not out:
         raise ValueError(f"no task with a demo in {dict(t.families)}")
     return out

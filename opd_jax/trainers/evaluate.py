@@ -39,9 +39,7 @@ def heldout_tasks(families: Mapping[str, str], efforts: Sequence[str], *, n: int
         raise ValueError(f"eval n={n}: expected a positive number of tasks per cell")
     out = []
     for domain, fam in families.items():
-        if envs.get_family(fam).domain != domain:
-            raise ValueError(f"family {fam!r} is in domain {envs.get_family(fam).domain!r}, "
-                             f"not {domain!r}")
+        envs.check_family_domain(fam, domain)
         for effort in efforts:
             out += list(envs.TaskSource(fam, size=n, seed=seed, difficulty=difficulty,
                                         effort=effort, split="eval"))

@@ -18,14 +18,13 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from opd_jax import envs, losses
+from opd_jax import losses
 from opd_jax.envs import cell_of
 from opd_jax.episodes import SamplingConfig, build_sequences, play
 from opd_jax.teachers import (TeacherBank, TeacherScorer, TeacherScores, check_routing,
                               in_row_chunks, teacher_fields)
 from opd_jax.teachers.scoring import MODEL_INPUTS
 from opd_jax.trainers import builders
-from opd_jax.trainers.builders import task_cells
 from opd_jax.trainers.judge import JudgeReward, mix_judge
 from opd_jax.trainers.needs import PolicyBatch
 from opd_jax.trainers.objectives import PER_TEACHER
@@ -34,15 +33,8 @@ from opd_jax.trainers.rollout_log import RolloutLog
 
 
 def task_dataset(t: ml_collections.ConfigDict, batch: int) -> grain.IterDataset:
-    cells = task_cells(t)
-    src = envs.MixtureSource([envs.TaskSource(fam, size=t.size, seed=t.seed, effort=e,
-                                              difficulty=t.difficulty, split="train")
-                              for _, fam, e in cells])
-    for (d, fam, _) in cells:
-        if envs.get_family(fam).domain != d:
-            raise ValueError(f"family {fam!r} is in domain {envs.get_family(fam).domain!r}, "
-                             f"not {d!r}")
-    return grain.MapDataset.source(src).shuffle(seed=t.seed).repeat(None).batch(
+    """Batches of `batch` train-split tasks, shuffled and repeated (checkpointable)."""
+    return grain.MapDataset.source(builders.train_source(t)).shuffle(seed=t.seed).repeat(None).batch(
         batch, batch_fn=list).to_iter_dataset()
 
 
