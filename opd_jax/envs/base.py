@@ -37,16 +37,17 @@ SPLITS = ("train", "eval")
 class EffortSpec:
     """One reasoning effort: its prompt control token, think budget, and length penalty.
 
-    think_budget: tokens allowed between <think> and </think> (over budget scores 0).
+    think_budget: tokens allowed between <think> and </think> (over budget scores 0); None:
+      the effort does not govern thinking (a chat model's own format: no span is forced).
     length_penalty: a correct answer scores 1 - length_penalty * think_tokens / think_budget.
     """
     name: str
     control_token: str
-    think_budget: int
+    think_budget: int | None
     length_penalty: float
 
     def __post_init__(self):
-        if self.think_budget < 0:
+        if self.think_budget is not None and self.think_budget < 0:
             raise ValueError(f"think_budget={self.think_budget} for effort {self.name!r}: "
                              f"expected >= 0")
         if not 0.0 <= self.length_penalty <= 1.0:
@@ -65,6 +66,9 @@ THINKING_MODES: dict[str, EffortSpec] = {
     "think_off": EffortSpec("think_off", "<|think_off|>", think_budget=0, length_penalty=0.0),
 }
 KNOWN_EFFORTS: dict[str, EffortSpec] = {**DEFAULT_EFFORTS, **THINKING_MODES}
+# The one effort of chat families (`TaskFamily.chat`): a real chat model answers in its own
+# format, with no control token, no governed think span and no length penalty.
+CHAT_EFFORT = EffortSpec("chat", "", think_budget=None, length_penalty=0.0)
 # GLM-style thinking switched per assistant turn of a multi-turn episode: each turn is
 # think_on or think_off by the task's schedule (meta["turn_modes"], see `turn_mode`). The
 # spec's budget bounds the thinking of all think-on turns together (no length penalty); its
@@ -163,10 +167,12 @@ def effort_spec(task: Task) -> EffortSpec:
         return spec
     if task.effort in PER_TURN_EFFORTS:
         return PER_TURN_EFFORTS[task.effort]
+    if task.effort == CHAT_EFFORT.name:
+        return CHAT_EFFORT
     if task.effort not in KNOWN_EFFORTS:
         raise ValueError(f"task {task.id!r}: effort={task.effort!r}, expected one of "
-                         f"{tuple(KNOWN_EFFORTS) + tuple(PER_TURN_EFFORTS)} or a "
-                         f"meta['effort_spec']")
+                         f"{tuple(KNOWN_EFFORTS) + tuple(PER_TURN_EFFORTS)}, "
+                         f"{CHAT_EFFORT.name!r} or a meta['effort_spec']")
     return KNOWN_EFFORTS[task.effort]
 
 
@@ -214,15 +220,40 @@ def turn_control(task: Task, turn: int, role: str = "student") -> str:
     return turn_mode(task, turn).control_token
 
 
+def chatml(messages: list[dict]) -> str:
+    """A ChatML conversation (SmolLM2's and Qwen's format) opened for the assistant's reply."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+                   for m in messages) + "<|im_start|>assistant\n"
+
+
+def check_chat_effort(task: Task, family: "TaskFamily") -> None:
+    """Chat families take the effort "chat" and only they do (their prompts carry no
+    control token, so another effort would be a label the model never sees)."""
+    if (family.chat is not None) != (task.effort == CHAT_EFFORT.name):
+        raise ValueError(f"task {task.id!r}: family {family.name!r} "
+                         f"{'is' if family.chat else 'is not'} a chat family but effort="
+                         f"{task.effort!r}; expected effort {CHAT_EFFORT.name!r} "
+                         f"{'' if family.chat else 'only '}for chat families")
+
+
 def render_prompt(task: Task, role: str = "student") -> str:
     """Chat-format prompt. Student: "<|high|><|user|>3+4=?<|assistant|>"; teacher: no control.
 
     A per-turn task's prompt carries its first turn's mode token ("<|think_off|><|user|>...").
     The student's trajectory after this prefix is identical under both roles, so the
-    teacher scores it by swapping only the prefix.
+    teacher scores it by swapping only the prefix. A chat family's task (`TaskFamily.chat`)
+    renders its conversation as ChatML, the same for both roles.
     """
     if role not in ROLES:
         raise ValueError(f"role={role!r}, expected one of {ROLES}")
+    # (a task of an unregistered family renders the synthetic way; a chat task's family
+    # is looked up, loading the built-ins)
+    family = (get_family(task.family) if task.effort == CHAT_EFFORT.name
+              else _FAMILIES.get(task.family))
+    if family is not None:
+        check_chat_effort(task, family)
+        if family.chat is not None:
+            return chatml(family.chat(task))
     control = turn_mode(task, 0).control_token if role == "student" else ""
     return f"{control}<|user|>{task.prompt}<|assistant|>"
 
@@ -263,6 +294,9 @@ class TaskFamily:
     `reward_batch(tasks, responses)` optionally scores many at once (e.g. in parallel).
     `canonical(prompt, reference)` is the problem's identity for the train/eval split (two
     tasks with the same canonical form are the same problem); default: the prompt.
+    `chat(task)`: set for natural-language families for real chat models (`envs.chat`): the
+    conversation (system and user messages) the task's prompt renders as ChatML; such tasks
+    take the effort "chat".
     """
     name: str
     domain: str
@@ -273,6 +307,7 @@ class TaskFamily:
     max_difficulty: int = 5
     reward_batch: Callable[[list, list], list] | None = None
     canonical: Callable[[str, dict], str] | None = None
+    chat: Callable[["Task"], list] | None = None
 
     def canonical_form(self, prompt: str, reference: dict) -> str:
         return prompt if self.canonical is None else self.canonical(prompt, reference)
@@ -280,7 +315,7 @@ class TaskFamily:
 
 _FAMILIES: dict[str, TaskFamily] = {}
 _ENVS: dict[str, Callable[[], Environment]] = {}
-_BUILTINS = ("general", "agent", "coding")
+_BUILTINS = ("general", "agent", "coding", "chat")
 
 
 def register_family(family: TaskFamily) -> TaskFamily:

@@ -29,7 +29,7 @@ import os
 import random
 from typing import Iterable, Sequence
 
-from opd_jax.envs.base import (KNOWN_EFFORTS, PER_TURN_EFFORTS, SPLITS, THINKING_MODES,
+from opd_jax.envs.base import (CHAT_EFFORT, KNOWN_EFFORTS, PER_TURN_EFFORTS, SPLITS, THINKING_MODES,
                                EffortSpec, Task, get_family)
 
 EVAL_BUCKETS = 11       # 1/11 of every problem space is eval, 10/11 train
@@ -74,11 +74,14 @@ class TaskSource:
     in meta["turn_modes"]) or an EffortSpec (stored in each task's meta so the cell's budget
     and penalty travel with the task).
     split: "train" (what trainers draw) or "eval" (what every evaluation draws).
+    Default effort: "chat" for chat families (`envs.chat`), else "high".
     """
 
     def __init__(self, family: str, *, size: int, seed: int = 0, difficulty: int = 1,
-                 effort: str | EffortSpec = "high", split: str = "train"):
+                 effort: str | EffortSpec | None = None, split: str = "train"):
         fam = get_family(family)
+        if effort is None:      # the family's default: "chat" for chat families, else "high"
+            effort = CHAT_EFFORT.name if fam.chat is not None else "high"
         if fam.generate is None:
             raise ValueError(f"task family {family!r} has no generator (it reads tasks from "
                              f"JSONL: use JsonlSource)")
@@ -87,10 +90,18 @@ class TaskSource:
                              f"{fam.max_difficulty}")
         if not (isinstance(size, int) and size > 0):
             raise ValueError(f"size={size!r}: expected a positive int")
-        if isinstance(effort, str) and effort not in {**KNOWN_EFFORTS, **PER_TURN_EFFORTS}:
+        if fam.chat is not None and effort != CHAT_EFFORT.name:
+            raise ValueError(f"{family} is a chat family (a real chat model's format): "
+                             f"effort={effort!r}, expected {CHAT_EFFORT.name!r}")
+        if isinstance(effort, str) and effort not in {**KNOWN_EFFORTS, **PER_TURN_EFFORTS,
+                                                      CHAT_EFFORT.name: CHAT_EFFORT}:
             raise ValueError(f"effort={effort!r}: expected one of "
-                             f"{tuple(KNOWN_EFFORTS) + tuple(PER_TURN_EFFORTS)} or an "
-                             f"EffortSpec")
+                             f"{tuple(KNOWN_EFFORTS) + tuple(PER_TURN_EFFORTS)}, "
+                             f"{CHAT_EFFORT.name!r} (chat families) or an EffortSpec")
+        if fam.chat is None and effort == CHAT_EFFORT.name:
+            raise ValueError(f"effort={effort!r} is for chat families (envs.chat); family "
+                             f"{family!r} speaks the synthetic format: expected one of "
+                             f"{tuple(KNOWN_EFFORTS) + tuple(PER_TURN_EFFORTS)}")
         if isinstance(effort, str) and effort in PER_TURN_EFFORTS and fam.env is None:
             raise ValueError(f"effort={effort!r} switches thinking per assistant turn, but "
                              f"family {fam.name!r} is single-turn; expected a multi-turn "

@@ -2,7 +2,7 @@
 `ModelRef`, the reference to a checkpoint that students, teachers and judges share."""
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.hf import config_from_hf, config_to_hf, load_pretrained, save_pretrained
-from opd_jax.models.ref import ModelRef, check_tokenizer, model_bytes
+from opd_jax.models.ref import ModelRef, check_tokenizer, model_bytes, resolve_tokenizer
 from opd_jax.models.tokenizers import (bos_ids, build_qwen_tokenizer, build_tokenizer,
                                        check_tokenizer_fits, load_tokenizer,
                                        synthetic_tokenizer, tokenizer_fingerprint)
@@ -12,5 +12,5 @@ __all__ = [
     "ModelConfig", "ModelRef", "Transformer", "KVCache", "load_pretrained", "save_pretrained",
     "config_from_hf", "config_to_hf", "load_tokenizer", "synthetic_tokenizer",
     "bos_ids", "build_qwen_tokenizer", "build_tokenizer", "check_tokenizer", "check_tokenizer_fits",
-    "model_bytes", "tokenizer_fingerprint",
+    "model_bytes", "resolve_tokenizer", "tokenizer_fingerprint",
 ]

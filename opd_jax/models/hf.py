@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from opd_jax import sharding as sh
+from opd_jax.models.builtin import resolve_model_path
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.gguf_io import gguf_folder, is_gguf
 from opd_jax.models.rope import check_rope_scaling
@@ -209,15 +210,15 @@ def read_config(path) -> ModelConfig:
 
 def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None,
                     remat=None) -> Transformer:
-    """Transformer from an HF folder (config.json + model.safetensors[.index.json]) or a
-    GGUF file (`models.gguf_io`: dequantized to fp32, converted once into a cache folder).
+    """Transformer from an HF folder (config.json + model.safetensors[.index.json]), a
+    ``builtin:`` name or a GGUF file (`models.gguf_io`: dequantized to fp32, converted once into a cache folder).
 
     param_dtype defaults to the checkpoint's dtype, dtype (compute) to param_dtype; remat
     (ModelConfig.remat, not an HF field) to "none". With a
     mesh, params are created in their NamedShardings (opd_jax.sharding rules) from
     per-device blocks of the memory-mapped files.
     """
-    path = os.fspath(path)
+    path = resolve_model_path(os.fspath(path))   # builtin:NAME -> its folder or file
     if is_gguf(path):         # a GGUF file: its HF folder, converted once into the cache
         path = gguf_folder(path)
     cfg = read_config(path)

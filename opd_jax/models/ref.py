@@ -25,7 +25,7 @@ from flax import nnx
 
 from opd_jax import checkpoint as ckpt_lib
 from opd_jax import sharding as sh
-from opd_jax.models.builtin import resolve_model_path
+from opd_jax.models.builtin import ASSETS, resolve_model_path
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.gguf_io import gguf_hf_config, is_gguf
 from opd_jax.models.hf import config_from_hf, load_pretrained
@@ -90,6 +90,22 @@ class ModelRef:
             return None
         return spec, tokenizer_fingerprint(build_tokenizer(spec))
 
+    def tokenizer_spec(self) -> str | None:
+        """The tokenizer this checkpoint brings, as a run's ``tokenizer`` value: its own
+        file or folder (a GGUF file; an HF folder with tokenizer files), the spec an opd_jax
+        run recorded, "synthetic" for the shipped base; None when it names none."""
+        if self.kind == "gguf":
+            return self.path
+        if self.kind == "hf":
+            if any(os.path.isfile(os.path.join(self.path, f))
+                   for f in ("tokenizer.json", "tokenizer_config.json")):
+                return self.path
+            base = os.path.join(ASSETS, "base")
+            return "synthetic" if os.path.realpath(self.path) == os.path.realpath(base) \
+                else None
+        ident = self.tokenizer_identity()
+        return None if ident is None else ident[0]
+
     def load(self, mesh: jax.sharding.Mesh | None = None,
              rules: sh.Rules = sh.DEFAULT_RULES) -> Transformer:
         """The model, on the default device (`mesh` None) or read straight into the
@@ -127,3 +143,22 @@ def check_tokenizer(ref: ModelRef, tokenizer, tokenizer_spec: str, *, what: str)
 
 def model_bytes(model: nnx.Module) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model)))
+
+
+def resolve_tokenizer(spec: str, init_from: str = "") -> str:
+    """A run's tokenizer value: `spec` when the config names one, else the tokenizer its
+    `init_from` checkpoint brings (``builtin:smollm2`` its own BPE, an opd_jax run the one
+    it recorded, the shipped base "synthetic"); a clear error when neither names one."""
+    if spec:
+        return spec
+    if not init_from:
+        raise ValueError("tokenizer='' takes the tokenizer from model.init_from, but "
+                         "model.init_from is empty; expected a tokenizer ('synthetic' or a "
+                         "local folder) or a checkpoint to start from")
+    ref = ModelRef(init_from)
+    own = ref.tokenizer_spec()
+    if own is None:
+        raise ValueError(f"tokenizer='' takes the tokenizer from model.init_from="
+                         f"{init_from!r}, which records none; expected a tokenizer in the "
+                         f"config ('synthetic' or a local folder)")
+    return init_from if own == ref.path else own

@@ -18,6 +18,7 @@ import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers, processors
 
+from opd_jax.models.builtin import resolve_model_path
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.gguf_io import gguf_folder, is_gguf
 
@@ -56,9 +57,9 @@ QWEN_BASE_VOCAB = 151_643
 
 
 def load_tokenizer(path) -> transformers.PreTrainedTokenizerBase:
-    """AutoTokenizer from a local folder or a GGUF file's metadata (never the hub, never
-    remote code)."""
-    path = os.fspath(path)
+    """AutoTokenizer from a local folder, a GGUF file's metadata or a ``builtin:`` model
+    that brings one (never the hub, never remote code)."""
+    path = resolve_model_path(os.fspath(path))
     if is_gguf(path):
         path = gguf_folder(path)
     if not os.path.isdir(path):
@@ -74,9 +75,26 @@ def build_tokenizer(spec: str) -> transformers.PreTrainedTokenizerBase:
 
 
 def bos_ids(tokenizer) -> list[int]:
-    """What every sequence starts with: the tokenizer's BOS token when it has one, else
-    nothing. The one BOS rule of SFT data, rollout prompts, teacher prompts and the judge."""
-    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    """What every sequence starts with, before its rendered prompt: the tokenizer's BOS
+    token when it has one, unless its chat template opens every conversation with that
+    token itself (ChatML models whose BOS is <|im_start|>, e.g. SmolLM2: a second one would
+    be a token the model never saw there). The one BOS rule of SFT data, rollout prompts,
+    teacher prompts and the judge. The synthetic tokenizer: [<bos>] (its template opens
+    with <|user|>); Qwen: [] (no BOS token); SmolLM2: []."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return []
+    cached = getattr(tokenizer, "_opd_bos_ids", None)
+    if cached is None:
+        opens = False
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": "x"}],
+                                                tokenize=True, add_generation_prompt=True,
+                                                return_dict=False)
+            opens = len(ids) > 0 and ids[0] == bos
+        cached = [] if opens else [bos]
+        tokenizer._opd_bos_ids = cached
+    return list(cached)
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

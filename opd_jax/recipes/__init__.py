@@ -20,7 +20,7 @@ from opd_jax.models import build_tokenizer
 from opd_jax.recipes import report as rp
 from opd_jax.recipes.pipeline import check_stages, run_stages
 
-RECIPES = ("kimi_k3", "glm", "deepseek_v4")
+RECIPES = ("kimi_k3", "glm", "deepseek_v4", "real_smollm2")
 
 # The testbed (docs/testbed.md): the family each domain trains and is evaluated on, the
 # efforts, and one table of both: the ones the base (`builtin:base`) was pretrained and

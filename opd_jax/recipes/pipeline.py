@@ -83,7 +83,8 @@ class Stage:
 
     kind "merge": `config` holds ``method`` ("average" | "task_arithmetic"), ``scale`` and
     optional ``weights``; `teachers` lists the models to merge (key -> stage) and `init_from`
-    is the base for task arithmetic.
+    is the base for task arithmetic (or, when the base is no stage, ``config.base``: a
+    checkpoint path or ``builtin:NAME``).
     """
     name: str
     kind: str
@@ -203,7 +204,8 @@ def run_stage(stage: Stage, workdir: str, *, progress: bool = True) -> dict:
 def _merge(stage: Stage, cfg, workdir: str, out_dir: str) -> dict:
     keys = sorted(stage.teachers)
     models = [ModelRef(stage_dir(workdir, stage.teachers[k])).load() for k in keys]
-    base = ModelRef(stage_dir(workdir, stage.init_from)).load() if stage.init_from else None
+    base_path = stage_dir(workdir, stage.init_from) if stage.init_from else cfg.get("base")
+    base = ModelRef(base_path).load() if base_path else None
     weights = [cfg.weights[k] for k in keys] if cfg.get("weights") else None
     merged = merge_models(models, weights=weights, method=cfg.method, base=base,
                           scale=cfg.get("scale", 1.0))

@@ -16,7 +16,7 @@ from opd_jax.data.sft import make_sft_dataset, read_jsonl, scan_examples
 from opd_jax.data.synthetic import synthetic_examples
 from opd_jax.models import (ModelConfig, ModelRef, Transformer, build_tokenizer,
                             check_tokenizer, check_tokenizer_fits, load_pretrained,
-                            tokenizer_fingerprint)
+                            resolve_tokenizer, tokenizer_fingerprint)
 from opd_jax.trainers.judge import check_judge
 
 
@@ -52,17 +52,33 @@ def setup(cfg: ml_collections.ConfigDict):
     """(mesh, rules, tokenizer, model_config) of a run, checked without touching weights."""
     mesh = sh.make_mesh(tuple(cfg.mesh.shape))
     rules = tuple(tuple(r) for r in cfg.mesh.rules)
-    tokenizer = build_tokenizer(cfg.tokenizer)
+    spec = tokenizer_spec(cfg)
+    tokenizer = build_tokenizer(spec)
     model_config = planned_model_config(cfg.model)
     check_config(cfg, model_config)
     check_tokenizer_fits(tokenizer, model_config)
+    envs.check_chat_template(tokenizer, run_families(cfg))
     if cfg.model.init_from:
-        check_tokenizer(ModelRef(cfg.model.init_from), tokenizer, cfg.tokenizer,
+        check_tokenizer(ModelRef(cfg.model.init_from), tokenizer, spec,
                         what="model.init_from")
     if "rewards" in cfg:    # policy runs: the generative reward model, configs only
         check_judge(cfg.rewards.judge, vocab_size=model_config.vocab_size, tokenizer=tokenizer,
-                    tokenizer_spec=cfg.tokenizer)
+                    tokenizer_spec=spec)
     return mesh, rules, tokenizer, model_config
+
+
+def run_families(cfg: ml_collections.ConfigDict) -> list[str]:
+    """The task families a run draws prompts from (policy runs; SFT on task demos)."""
+    if "tasks" in cfg:
+        return list(dict(cfg.tasks.families).values())
+    if cfg.get("data") is not None and cfg.data.get("source") == "tasks":
+        return list(dict(cfg.data.tasks.families).values())
+    return []
+
+
+def tokenizer_spec(cfg: ml_collections.ConfigDict) -> str:
+    """The run's tokenizer: ``cfg.tokenizer``, or ("") the one its init_from brings."""
+    return resolve_tokenizer(cfg.tokenizer, cfg.model.init_from)
 
 
 def tokenizer_meta(spec: str, tokenizer) -> dict:

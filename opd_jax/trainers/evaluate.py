@@ -26,7 +26,7 @@ import numpy as np
 from opd_jax import envs
 from opd_jax.envs import cell_of
 from opd_jax.episodes import SamplingConfig, play
-from opd_jax.models import ModelRef, build_tokenizer, check_tokenizer_fits
+from opd_jax.models import ModelRef, build_tokenizer, check_tokenizer_fits, resolve_tokenizer
 
 COLUMNS = ("cell", "domain", "effort", "family", "difficulty", "n", "reward", "pass_rate",
            "length")
@@ -49,6 +49,7 @@ def heldout_tasks(families: Mapping[str, str], efforts: Sequence[str], *, n: int
 def evaluate_tasks(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig, *,
                    seed: int = 0, batch_size: int = 64) -> list[dict]:
     """Play `tasks` in batches and aggregate per cell (rows in first-seen cell order)."""
+    envs.check_chat_template(tokenizer, [t.family for t in tasks])
     episodes = []
     for i in range(0, len(tasks), batch_size):
         episodes += play(model, tokenizer, tasks[i:i + batch_size], sampling,
@@ -160,7 +161,7 @@ def write_rows(rows: Sequence[dict], out_dir: str, name: str = "eval") -> tuple[
 def evaluate_checkpoint(path: str, cfg, *, out_dir: str | None = None) -> list[dict]:
     """Load an HF folder or an opd_jax workdir and evaluate it as `cfg` (configs/eval.py) says."""
     spec = ModelRef(path)
-    tokenizer = build_tokenizer(cfg.tokenizer)
+    tokenizer = build_tokenizer(resolve_tokenizer(cfg.tokenizer, path))
     check_tokenizer_fits(tokenizer, spec.model_config())
     model = spec.load()
     rows = evaluate_model(model, tokenizer, dict(cfg.tasks.families), tuple(cfg.tasks.efforts),

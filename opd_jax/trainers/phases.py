@@ -287,7 +287,8 @@ def reward_metrics(episodes) -> dict:
     for e in episodes:
         by_cell[cell_of(e.task)].append(e.reward)
     out = {"reward/mean": float(np.mean([e.reward for e in episodes])),
-           "response_len": float(np.mean([e.sampled_tokens for e in episodes]))}
+           "response_len": float(np.mean([e.sampled_tokens for e in episodes])),
+           "prompt_len": float(np.mean([len(e.prompt_ids) for e in episodes]))}
     out |= {f"reward/{c}": float(np.mean(v)) for c, v in by_cell.items()}
     return out
 

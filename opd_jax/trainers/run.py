@@ -105,7 +105,8 @@ class Run:
             ckpt.close()
             raise
         meta = {"model": model_meta, "kind": kind,
-                "tokenizer": builders.tokenizer_meta(cfg.tokenizer, setup.tokenizer)}
+                "tokenizer": builders.tokenizer_meta(builders.tokenizer_spec(cfg),
+                                                      setup.tokenizer)}
         return cls(cfg, workdir, setup, ckpt, iterator, tx, graphdef, state, shardings, start,
                    guard, writer, meta, initial, int(state.step))
 

@@ -62,7 +62,8 @@ def _plan(cfg: ml_collections.ConfigDict):
     rows = (builders.policy_rows(cfg, sh.batch_shards(setup.mesh, setup.rules))
             // cfg.rl.minibatches)
     cells = task_cells(cfg.tasks)
-    teachers = Teachers(cfg.get("teachers"), needs, cells, setup, cfg.tokenizer, rows)
+    teachers = Teachers(cfg.get("teachers"), needs, cells, setup,
+                        builders.tokenizer_spec(cfg), rows)
     return setup, objective, needs, rows, cells, teachers
 
 
