@@ -5,7 +5,8 @@ to a temporary name and renamed when complete, so a run killed mid-save leaves t
 checkpoint intact and the partial one is ignored. Resume order (big_vision's): the run's own
 workdir first, then an explicit init checkpoint, then scratch.
 
-Integrity: every save records a checksum of each array of the state in its meta and refuses
+Integrity: every save records a checksum of each array of the state (and a digest of the
+data iterator's state) in its meta and refuses
 a state with a non-finite float (the last good checkpoints are never rotated out by a
 diverged one). Restoring the latest step verifies the checksums and finiteness; a corrupt
 or unreadable latest step is moved aside to ``<step>.corrupt`` and the previous intact
@@ -14,6 +15,8 @@ step is restored, with a warning naming both. A workdir is held by one run at a 
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import warnings
@@ -67,6 +70,8 @@ class Checkpointer:
                 f"refusing to write checkpoint {step} under {self.directory}: array {bad[0]} "
                 f"holds NaN or inf; the earlier checkpoints {self.all_steps()} are kept")
         meta = dict(meta, checksums=sums)
+        if data_iter is not None:
+            meta["iterator_sha256"] = iterator_digest(data_iter)
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data_iter)
@@ -98,8 +103,14 @@ class Checkpointer:
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointRestore(data_iter)
         out = self._mngr.restore(step, args=ocp.args.Composite(**args))
-        verify_digest(out["state"], out["meta"],
-                      f"checkpoint {os.path.join(self.directory, str(step))}")
+        where = f"checkpoint {os.path.join(self.directory, str(step))}"
+        verify_digest(out["state"], out["meta"], where)
+        want = out["meta"].get("iterator_sha256")    # absent: saved before it was recorded
+        if data_iter is not None and want is not None and iterator_digest(data_iter) != want:
+            raise CheckpointError(f"{where}: the data iterator's state "
+                                  f"({_state_text(data_iter)[:120]}) does not match the digest "
+                                  f"recorded when it was saved (edited or corrupt data/ "
+                                  f"folder)")
         return out["state"], out["meta"]
 
     def restore(self, step: int | None, abstract_state: Any, data_iter: Any | None = None
@@ -168,6 +179,19 @@ class Checkpointer:
             if self.lock is not None:
                 self.lock.release()
                 self.lock = None
+
+
+def _state_text(data_iter) -> str:
+    state = data_iter.get_state()
+    if isinstance(state, bytes):
+        return state.decode("utf-8", "replace")
+    return json.dumps(state, sort_keys=True, default=str)
+
+
+def iterator_digest(data_iter) -> str:
+    """sha256 of a data iterator's state (what its checkpoint's data/ folder restores), so a
+    resume on other data is caught like a corrupt array."""
+    return hashlib.sha256(_state_text(data_iter).encode("utf-8")).hexdigest()
 
 
 def _reason(e: BaseException) -> str:

@@ -18,7 +18,7 @@ import ml_collections
 from opd_jax.config import PACKAGED_CONFIGS, load_config
 from opd_jax.models import build_tokenizer
 from opd_jax.recipes import report as rp
-from opd_jax.recipes.pipeline import check_stages, run_stages
+from opd_jax.recipes.pipeline import check_finished, check_stages, run_stages
 
 RECIPES = ("kimi_k3", "glm", "deepseek_v4", "real_smollm2")
 
@@ -54,8 +54,10 @@ def run_experiment(c, workdir: str, *, progress: bool = True, command: str | Non
     seeds = tuple(int(s) for s in c.seeds)
     if not seeds:
         raise ValueError("experiment needs at least one seed (config.seeds)")
-    for seed in seeds:                       # every seed's plan is checked before any work
-        check_stages(mod.build(c, seed))
+    for seed in seeds:   # every seed's plan, and its finished stages, before anything is written
+        stages = mod.build(c, seed)
+        check_stages(stages)
+        check_finished(stages, os.path.join(workdir, f"seed{seed}"))
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(c.to_dict(), f, indent=2, default=str)

@@ -214,12 +214,17 @@ def _merge(stage: Stage, cfg, workdir: str, out_dir: str) -> dict:
     return {"optimizer_steps": 0, "iterations": 0, "merged": keys}
 
 
+def check_finished(stages: Sequence[Stage], workdir: str) -> None:
+    """Refuse, before any work or write, a finished stage asked for with other settings."""
+    for stage in stages:
+        if is_done(workdir, stage.name):
+            check_same_stage(stage, read_done(workdir, stage.name), workdir)
+
+
 def run_stages(stages: Sequence[Stage], workdir: str, *, progress: bool = True) -> dict:
     """Run every stage in order (skipping finished ones); returns {name: done record}."""
     check_stages(stages)
-    for stage in stages:   # before any work: a changed finished stage is refused up front
-        if is_done(workdir, stage.name):
-            check_same_stage(stage, read_done(workdir, stage.name), workdir)
+    check_finished(stages, workdir)   # a changed finished stage is refused up front
     os.makedirs(workdir, exist_ok=True)
     records = {}
     for i, stage in enumerate(stages):

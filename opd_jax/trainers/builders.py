@@ -100,6 +100,7 @@ def check_config(cfg: ml_collections.ConfigDict, model_config) -> None:
     _need(cfg.optim.grad_accum >= 1, "optim.grad_accum", cfg.optim.grad_accum, "an int >= 1")
     _need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps", cfg.optim.warmup_steps,
           "an int >= 0")
+    check_optim(cfg.optim)
     t = cfg.train
     for key in ("steps", "ckpt_every", "log_every", "keep_checkpoints"):
         if key in t:
@@ -121,21 +122,58 @@ def check_config(cfg: ml_collections.ConfigDict, model_config) -> None:
         _need(r.seq_len >= 0, "rollout.seq_len", r.seq_len, "an int >= 0 (0: bucket per batch)")
         if r.seq_len:
             check_positions(r.seq_len, model_config, "rollout.seq_len")
-        for name, sp in (("rollout.sampling", r.sampling),
-                         ("eval.sampling", cfg.eval.sampling if "eval" in cfg else None)):
-            if sp is None:
-                continue
-            _need(sp.max_new_tokens >= 1, f"{name}.max_new_tokens", sp.max_new_tokens,
-                  "an int >= 1 (nothing would be sampled, so nothing trained)")
-            _need(sp.max_new_tokens < max_pos, f"{name}.max_new_tokens", sp.max_new_tokens,
-                  f"fewer than model.max_position_embeddings={max_pos}")
-            _need(sp.temperature >= 0, f"{name}.temperature", sp.temperature, "a number >= 0")
-            _need(sp.max_turns >= 1, f"{name}.max_turns", sp.max_turns, "an int >= 1")
+        check_sampling("rollout.sampling", r.sampling, max_pos)
+        if "eval" in cfg:   # the held-out evaluation: checked now, not after training
+            e = cfg.eval
+            check_sampling("eval.sampling", e.sampling, max_pos)
+            for key in ("n", "batch_size"):
+                _need(e[key] >= 1, f"eval.{key}", e[key], "an int >= 1")
+            _need(e.every >= 0, "eval.every", e.every, "an int >= 0 (0: only at the end)")
         if r.sampling.temperature == 0:
             warnings.warn("rollout.sampling.temperature=0: RL samples greedily, so the "
                           "sampler's log-probs are 0 and IcePop/TIS mask (nearly) every token "
                           "and the gradient vanishes; use a temperature > 0", RuntimeWarning,
                           stacklevel=3)
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_optim(o: ml_collections.ConfigDict) -> None:
+    """The optimizer's ranges beyond the lr: values outside them train silently wrong (a
+    negative min_lr_ratio turns the cosine tail into gradient ascent; b2 > 1 and a negative
+    weight decay blow up)."""
+    for key, ok, expected in (
+            ("b1", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+            ("b2", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+            ("eps", lambda v: v > 0, "a number > 0"),
+            ("weight_decay", lambda v: v >= 0, "a number >= 0"),
+            ("min_lr_ratio", lambda v: 0 <= v <= 1, "a number in [0, 1] (the cosine "
+                                                    "schedule's floor, a fraction of optim.lr)"),
+            ("grad_clip", lambda v: v >= 0, "a number >= 0 (0: no clipping)")):
+        if key in o:
+            v = o[key]
+            _need(_real(v) and ok(v), f"optim.{key}", v, expected)
+    if "schedule" in o:
+        _need(o.schedule in ("cosine", "constant"), "optim.schedule", o.schedule,
+              "'cosine' or 'constant'")
+
+
+def check_sampling(name: str, sp, max_pos: int) -> None:
+    """A sampling section's ranges (rollout.sampling, eval.sampling)."""
+    _need(sp.max_new_tokens >= 1, f"{name}.max_new_tokens", sp.max_new_tokens,
+          "an int >= 1 (nothing would be sampled, so nothing trained)")
+    _need(sp.max_new_tokens < max_pos, f"{name}.max_new_tokens", sp.max_new_tokens,
+          f"fewer than model.max_position_embeddings={max_pos}")
+    _need(_real(sp.temperature) and sp.temperature >= 0, f"{name}.temperature",
+          sp.temperature, "a number >= 0")
+    _need(sp.max_turns >= 1, f"{name}.max_turns", sp.max_turns, "an int >= 1")
+    if "top_p" in sp:
+        _need(_real(sp.top_p) and 0 < sp.top_p <= 1, f"{name}.top_p", sp.top_p,
+              "a number in (0, 1] (1: off)")
+    if "top_k" in sp:
+        _need(sp.top_k >= 0, f"{name}.top_k", sp.top_k, "an int >= 0 (0: off)")
 
 
 def check_positions(length: int, model_config, what: str) -> None:

@@ -102,8 +102,16 @@ def test_bos_rule_of_the_synthetic_tokenizer():
     assert bos_ids(tok) == [tok.bos_token_id]     # its template opens with <|user|>
 
 
-def test_tokenizer_comes_from_init_from_unless_named():
+def test_tokenizer_comes_from_init_from_unless_named(tmp_path):
+    from opd_jax.models import ModelConfig, save_pretrained
+    from tests.models.helpers import random_model
     assert resolve_tokenizer("synthetic", "") == "synthetic"
     assert resolve_tokenizer("", "builtin:base") == "synthetic"     # the shipped base's
     with pytest.raises(ValueError, match="model.init_from is empty"):
         resolve_tokenizer("", "")
+    bare = tmp_path / "bare"        # an HF folder without tokenizer files names none
+    save_pretrained(random_model(ModelConfig.preset("tiny")), str(bare))
+    with pytest.raises(ValueError, match=f"init_from='{bare}', which records none"):
+        resolve_tokenizer("", str(bare))
+    synthetic_tokenizer().save_pretrained(str(bare))
+    assert resolve_tokenizer("", str(bare)) == str(bare)

@@ -100,6 +100,12 @@ GRPO = os.path.join(ROOT, "opd_jax/configs/grpo.py:tiny")
      "model.max_position_embeddings=512"),
     ("--config.optim.lr=-0.001", "optim.lr=-0.001: expected a finite number > 0"),
     ("--config.train.steps=0", "train.steps=0: expected an int >= 1"),
+    # issue 30: evaluation values failed only after training, losing the last iteration
+    ("--config.eval.batch_size=0", "eval.batch_size=0: expected an int >= 1"),
+    ("--config.eval.sampling.top_p=2.0", "eval.sampling.top_p=2.0: expected a number in "
+                                         "\\(0, 1\\]"),
+    ("--config.rollout.sampling.top_k=-1", "rollout.sampling.top_k=-1: expected an int >= 0"),
+    ("--config.eval.n=0", "eval.n=0: expected an int >= 1"),
 ])
 def test_policy_configs_are_checked_before_work(tmp_path, override, match):
     with pytest.raises(ValueError, match=match):
@@ -129,6 +135,17 @@ def test_greedy_rl_warns():
     ("--config.train.ckpt_every=0", "train.ckpt_every=0: expected an int >= 1"),
     ("--config.data.batch_size=6", "data.batch_size=6: expected a multiple of "
                                    "optim.grad_accum=4"),
+    # issue 30 case 6: these trained silently wrong (min_lr_ratio=-3: gradient ascent)
+    ("--config.optim.min_lr_ratio=-3.0", "optim.min_lr_ratio=-3.0: expected a number in "
+                                         "[0, 1] (the cosine schedule's floor"),
+    ("--config.optim.min_lr_ratio=1.5", "optim.min_lr_ratio=1.5: expected a number in [0, 1]"),
+    ("--config.optim.b1=-0.1", "optim.b1=-0.1: expected a number in [0, 1)"),
+    ("--config.optim.b2=1.5", "optim.b2=1.5: expected a number in [0, 1)"),
+    ("--config.optim.weight_decay=-0.01", "optim.weight_decay=-0.01: expected a number >= 0"),
+    ("--config.optim.eps=0.0", "optim.eps=0.0: expected a number > 0"),
+    ("--config.optim.grad_clip=-1.0", "optim.grad_clip=-1.0: expected a number >= 0"),
+    ("--config.optim.schedule=linear", "optim.schedule='linear': expected 'cosine' or "
+                                       "'constant'"),
 ])
 def test_numeric_ranges_one_line_before_any_work(tmp_path, capsys, override, match):
     workdir = tmp_path / "run"
@@ -136,7 +153,8 @@ def test_numeric_ranges_one_line_before_any_work(tmp_path, capsys, override, mat
             "--workdir", str(workdir), "--no-progress"]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err == f"error: {match}\n" and not workdir.exists()
+    assert err.startswith(f"error: {match}") and err.count("\n") == 1
+    assert not workdir.exists()
 
 
 def test_a_dict_literal_for_a_section_checks_its_keys():

@@ -223,3 +223,23 @@ def test_teacher_params_with_a_bad_checksum_fail_naming_the_array(run_copy):
                                               f"{name.replace('[', '.').replace(']', '.')} "
                                               f"does not match the checksum"):
         ModelRef(str(run_copy)).load()
+
+
+def test_an_edited_iterator_state_falls_back_like_a_corrupt_step(run_copy):
+    """Issue 30 case 7: next_index edited by one resumed silently on other data; the
+    iterator's state is now in the integrity check, so the step falls back."""
+    step8 = run_copy / "checkpoints" / "8" / "data"
+    path = next(p for p in step8.iterdir() if p.name.startswith("process_"))
+    text = path.read_text()
+    state = json.loads(text)
+    key = "next_index" if "next_index" in state else None
+    if key is None:           # grain nests it in the parent iterator's state
+        state["parent"]["next_index"] += 1
+    else:
+        state[key] += 1
+    path.write_text(json.dumps(state))
+    with pytest.warns(RuntimeWarning, match="checkpoint step 8 under .* is corrupt or "
+                                            "unreadable .*data iterator's state.*previous "
+                                            "intact step 4"):
+        out = train_sft(sft_cfg(), str(run_copy), progress=False)
+    assert out["step"] == 8 and (run_copy / "checkpoints" / "8.corrupt").is_dir()

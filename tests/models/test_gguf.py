@@ -211,3 +211,42 @@ def test_smollm2_greedy_decoding_matches_transformers(smollm2):
                 break
             compared += 1
     assert compared >= 8 * 32      # most of every continuation was compared token for token
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_bf16_logits_within_the_stated_bound(smollm2):
+    """bf16 compute (fp32 parameters) against transformers' fp32: max |difference| / max
+    |logit| <= 0.05 and the same top-1 token at >= 95% of positions (docs/models.md). Why
+    this loose: bf16 keeps 8 bits of mantissa (relative step 3.9e-3) and the error of every
+    matmul compounds over 30 layers; measured 2.7e-2 - 3.0e-2 and 98.2% on these prompts."""
+    import torch
+    from opd_jax.models import ModelRef
+    _, tok, theirs, _ = smollm2
+    ours = ModelRef("builtin:smollm2", dtype="bfloat16").load()
+    assert ours.config.dtype == "bfloat16"
+    same = total = 0
+    for q in PROMPTS:
+        ids = _chat(tok, q)[1]
+        got = np.asarray(ours(jnp.asarray([ids])).astype(jnp.float32))[0]
+        with torch.no_grad():
+            want = theirs(torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(got - want).max() / np.abs(want).max() <= 0.05, q
+        same += int((got.argmax(-1) == want.argmax(-1)).sum())
+        total += len(ids)
+    assert same / total >= 0.95
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_brings_its_tokenizer_and_chatml(smollm2):
+    from opd_jax import envs
+    from opd_jax.models import bos_ids, resolve_tokenizer
+    _, tok, _, _ = smollm2
+    assert bos_ids(tok) == []          # its template opens with <|im_start|>, its BOS
+    assert resolve_tokenizer("", "builtin:smollm2") == "builtin:smollm2"
+    envs.check_chat_template(tok, ["word_arith", "json_call"])   # ChatML, as they render
+    task = envs.TaskSource("word_arith", size=1)[0]
+    ids = tok.apply_chat_template(envs.get_family("word_arith").chat(task), tokenize=True,
+                                  add_generation_prompt=True, return_dict=False)
+    assert list(ids) == tok.encode(envs.render_prompt(task), add_special_tokens=False)
