@@ -67,19 +67,39 @@ def load_config(spec: str, overrides: Sequence[str] = ()) -> ml_collections.Conf
     module_spec = importlib.util.spec_from_file_location(
         f"_opd_config_{abs(hash(os.path.abspath(path)))}", path)
     module = importlib.util.module_from_spec(module_spec)
-    _exec_with_siblings(module_spec, module, os.path.dirname(os.path.abspath(path)))
+    try:
+        _exec_with_siblings(module_spec, module, os.path.dirname(os.path.abspath(path)))
+    except Exception as e:  # noqa: BLE001 - any error in the user's file: one line naming it
+        raise ConfigError(f"config file {path!r} failed to import: {_where(e, path)}"
+                          f"{type(e).__name__}: {e}") from e
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path!r} defines no get_config()")
     try:
         cfg = module.get_config(arg) if arg else module.get_config()
     except KeyError as e:
         raise ConfigError(f"config {path!r}: unknown preset {arg!r} ({e})") from None
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"config file {path!r}: get_config({arg!r}) raised "
+                          f"{_where(e, path)}{type(e).__name__}: {e}") from e
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise ConfigError(f"config file {path!r}: get_config() returned {type(cfg).__name__}, "
                           "expected ml_collections.ConfigDict")
     cfg.lock()
     apply_overrides(cfg, overrides)
     return cfg
+
+
+def _where(e: BaseException, path: str) -> str:
+    """"line N: " of the deepest frame of `e` in the config file `path` (or "")."""
+    if isinstance(e, SyntaxError) and e.lineno:
+        return f"line {e.lineno}: "
+    line = None
+    tb = e.__traceback__
+    while tb is not None:
+        if os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(path):
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f"line {line}: " if line else ""
 
 
 def _exec_with_siblings(module_spec, module, folder: str) -> None:

@@ -151,21 +151,42 @@ def scan_examples(examples: Sequence[Any], tokenizer, *, seq_len: int, source: s
     """Check and tokenize every example once, before training: the first bad record fails
     naming ``source:line``; examples with no trained token within the first `seq_len`
     targets (a prompt longer than the row) are dropped with a warning giving the counts;
-    nothing trainable left is an error."""
+    nothing trainable left is an error. Text the tokenizer cannot represent (its <unk>) is
+    counted: any is a warning with the share and the first line, a majority of the trained
+    tokens is an error (the model would learn to write <unk>)."""
     where = (lambda i: f"{source}:{lines[i]}") if lines else (lambda i: f"{source} record {i}")
     kept, dropped, truncated = [], [], 0
+    unk = getattr(tokenizer, "unk_token_id", None)
+    n_unk = n_tok = n_trained = n_trained_unk = 0
+    first_unk = None
     for i, ex in enumerate(examples):
         try:
             check_example(ex)
             tok = tokenize_example(ex, tokenizer)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{where(i)}: {e}") from None
+        if unk is not None:
+            is_unk = tok["tokens"] == unk
+            n_unk, n_tok = n_unk + int(is_unk.sum()), n_tok + len(is_unk)
+            trained = tok["loss_mask"].astype(bool)
+            n_trained += int(trained.sum())
+            n_trained_unk += int((is_unk & trained).sum())
+            if first_unk is None and is_unk.any():
+                first_unk = i
         if int(tok["loss_mask"][1:seq_len + 1].sum()) == 0:
             dropped.append(i)
             continue
         truncated += len(tok["tokens"]) - 1 > seq_len
         kept.append(ex)
     n = len(examples)
+    if n_unk:
+        msg = (f"{source}: {n_unk} of {n_tok} tokens ({n_unk / n_tok:.1%}) are the "
+               f"tokenizer's unknown token (characters it cannot represent), first at "
+               f"{where(first_unk)}; {n_trained_unk} of {n_trained} trained tokens")
+        if n_trained_unk * 2 > n_trained:
+            raise ValueError(msg + ": most of what the model would learn is <unk>; use a "
+                                   "tokenizer that covers this text")
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
     if not kept:
         raise ValueError(f"{source}: nothing to train on: none of its {n} examples has a "
                          f"response token within data.seq_len={seq_len} tokens (e.g. "

@@ -204,8 +204,18 @@ def read_config(path) -> ModelConfig:
     file = os.path.join(os.fspath(path), "config.json")
     if not os.path.exists(file):
         raise FileNotFoundError(f"no config.json in {os.fspath(path)}")
-    with open(file) as f:
-        return config_from_hf(json.load(f))
+    try:
+        with open(file, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e}); expected a Hugging Face "
+                         f"config.json") from None
+    try:
+        return config_from_hf(hf)
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"{file}: {what}; expected a Hugging Face config.json of a "
+                         f"supported model") from None
 
 
 def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None,

@@ -28,7 +28,7 @@ from opd_jax import sharding as sh
 from opd_jax.models.builtin import ASSETS, resolve_model_path
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.gguf_io import gguf_hf_config, is_gguf
-from opd_jax.models.hf import config_from_hf, load_pretrained
+from opd_jax.models.hf import config_from_hf, load_pretrained, read_config
 from opd_jax.models.tokenizers import build_tokenizer, load_tokenizer, tokenizer_fingerprint
 from opd_jax.models.transformer import Transformer
 
@@ -59,8 +59,7 @@ class ModelRef:
         if self.kind == "gguf":
             return config_from_hf(gguf_hf_config(self.path))
         if self.kind == "hf":
-            with open(os.path.join(self.path, "config.json"), encoding="utf-8") as f:
-                return config_from_hf(json.load(f))
+            return read_config(self.path)
         meta = ckpt_lib.read_step_meta(ckpt_lib.latest_step_dir(self.path))
         if "model" not in meta:
             raise ValueError(f"checkpoint {self.path!r} has no model config in its metadata")

@@ -65,6 +65,10 @@ def load_tokenizer(path) -> transformers.PreTrainedTokenizerBase:
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer path {path!r} is not a local folder "
                                 f"(hub downloads are disabled)")
+    files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+    if not any(os.path.isfile(os.path.join(path, f)) for f in files):
+        raise FileNotFoundError(f"tokenizer folder {path!r} holds no tokenizer files "
+                                f"(expected one of {', '.join(files)})")
     return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True,
                                                       trust_remote_code=False)
 

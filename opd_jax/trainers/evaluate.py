@@ -26,7 +26,8 @@ import numpy as np
 from opd_jax import envs
 from opd_jax.envs import cell_of
 from opd_jax.episodes import SamplingConfig, play
-from opd_jax.models import ModelRef, build_tokenizer, check_tokenizer_fits, resolve_tokenizer
+from opd_jax.models import (ModelRef, build_tokenizer, check_tokenizer, check_tokenizer_fits,
+                            resolve_tokenizer)
 
 COLUMNS = ("cell", "domain", "effort", "family", "difficulty", "n", "reward", "pass_rate",
            "length")
@@ -161,8 +162,10 @@ def write_rows(rows: Sequence[dict], out_dir: str, name: str = "eval") -> tuple[
 def evaluate_checkpoint(path: str, cfg, *, out_dir: str | None = None) -> list[dict]:
     """Load an HF folder or an opd_jax workdir and evaluate it as `cfg` (configs/eval.py) says."""
     spec = ModelRef(path)
-    tokenizer = build_tokenizer(resolve_tokenizer(cfg.tokenizer, path))
+    tok_spec = resolve_tokenizer(cfg.tokenizer, path)
+    tokenizer = build_tokenizer(tok_spec)
     check_tokenizer_fits(tokenizer, spec.model_config())
+    check_tokenizer(spec, tokenizer, tok_spec, what="eval checkpoint")   # not 0.000 as real
     model = spec.load()
     rows = evaluate_model(model, tokenizer, dict(cfg.tasks.families), tuple(cfg.tasks.efforts),
                           n=cfg.eval.n, seed=cfg.eval.seed, difficulty=cfg.tasks.difficulty,

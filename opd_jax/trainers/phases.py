@@ -103,9 +103,9 @@ class Teachers:
     False for objectives without a teacher (then nothing is loaded or scored)."""
 
     def __init__(self, t: ml_collections.ConfigDict, needs, cells, setup, tokenizer_spec: str,
-                 chunk_rows: int):
+                 chunk_rows: int, max_new_tokens: int | None = None):
         self.needs, self.enabled = needs, needs.teacher != "none"
-        self.bank, self.cell_weights, self.scorer = None, {}, None
+        self.bank, self.cell_weights, self.scorer, self.configs = None, {}, None, {}
         if not self.enabled:
             return
         self.bank = TeacherBank(dict(t.paths), max_loaded=t.max_loaded or None,
@@ -114,7 +114,14 @@ class Teachers:
                                           t.routing, table=dict(t.table),
                                           weights=t.weights.to_dict(),
                                           single_teacher=not needs.mixture)
-        self.bank.validate(setup.model_config.vocab_size, setup.tokenizer, tokenizer_spec)
+        self.configs = self.bank.validate(setup.model_config.vocab_size, setup.tokenizer,
+                                          tokenizer_spec)
+        for key, tc in self.configs.items():    # the student's own check, for each teacher
+            if max_new_tokens is not None and max_new_tokens >= tc.max_position_embeddings:
+                raise ValueError(f"rollout.sampling.max_new_tokens={max_new_tokens}: expected "
+                                 f"fewer than teacher {key!r}'s max_position_embeddings="
+                                 f"{tc.max_position_embeddings} (it scores every sampled "
+                                 f"token)")
         self.scorer = TeacherScorer(self.bank, setup.tokenizer, needs.teacher,
                                     role=t.prompt_role, chunk_rows=chunk_rows)
 
@@ -123,6 +130,11 @@ class Teachers:
         if not self.enabled:
             return TeacherScores([], {}), {}
         weights = [self.cell_weights[cell_of(e.task)] for e in episodes]
+        for key in {k for w in weights for k, v in w.items() if v > 0}:
+            rows = [len(e.prompt_ids) + len(e.response_ids) for e, w in zip(episodes, weights)
+                    if w.get(key, 0) > 0]
+            builders.check_positions(max(rows), self.configs[key],
+                                     f"episodes scored by teacher {key!r}")
         scores = teacher_fields(self.scorer(episodes, weights, seqs), weights,
                                 self.needs.teacher)
         block(scores.fields)

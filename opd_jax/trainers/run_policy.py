@@ -63,7 +63,7 @@ def _plan(cfg: ml_collections.ConfigDict):
             // cfg.rl.minibatches)
     cells = task_cells(cfg.tasks)
     teachers = Teachers(cfg.get("teachers"), needs, cells, setup,
-                        builders.tokenizer_spec(cfg), rows)
+                        builders.tokenizer_spec(cfg), rows, cfg.rollout.sampling.max_new_tokens)
     return setup, objective, needs, rows, cells, teachers
 
 

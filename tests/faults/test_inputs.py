@@ -165,3 +165,48 @@ def test_a_dict_literal_for_a_section_checks_its_keys():
         load_config(SFT, ["--config.optim={'lr': 'fast'}"])
     cfg = load_config(SFT, ["--config.optim={'lr': 1e-3, 'b2': 0.99}"])
     assert (cfg.optim.lr, cfg.optim.b2, cfg.optim.b1) == (1e-3, 0.99, 0.9)   # others kept
+
+
+def test_a_config_file_that_raises_is_one_line_naming_it(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import ml_collections\nX = 1 / 0\n")
+    assert main(["sft", "--config", str(bad), "--workdir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: config file '{bad}' failed to import: line 2: "
+                   f"ZeroDivisionError: division by zero\n")
+    bad.write_text("def get_config():\n    return {}['missing_section']\n")
+    with pytest.raises(ConfigError, match="get_config\\(''\\) raised|unknown preset"):
+        load_config(str(bad))
+    bad.write_text("def get_config(:\n")
+    with pytest.raises(ConfigError, match="failed to import: line 1: SyntaxError"):
+        load_config(str(bad))
+
+
+def test_a_broken_hf_config_names_the_file(tmp_path):
+    from opd_jax.models import ModelRef, save_pretrained
+    folder = tmp_path / "hf"
+    save_pretrained(random_model(ModelConfig.preset("tiny")), str(folder))
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["hidden_size"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"{folder}/config.json: missing key 'hidden_size'"):
+        ModelRef(str(folder)).model_config()
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"{folder}/config.json: not valid JSON"):
+        ModelRef(str(folder)).model_config()
+
+
+def test_text_the_tokenizer_cannot_represent_is_counted(tmp_path):
+    """Issue 30 case 5: Chinese and emoji trained on <unk> with no warning."""
+    tok = synthetic_tokenizer()
+    mostly = [{"prompt": "q", "response": "你好世界🙂"}] * 4
+    with pytest.raises(ValueError, match="data.jsonl: 20 of 32 tokens \\(62.5%\\) are the "
+                                         "tokenizer's unknown token .*first at data.jsonl:1; "
+                                         "20 of 24 trained tokens: most of what"):
+        scan_examples(mostly, tok, seq_len=16, source="data.jsonl", lines=[1, 2, 3, 4])
+    some = [{"prompt": "1+1=", "response": "2"}] * 3 + [{"prompt": "é?", "response": "2"}]
+    with pytest.warns(RuntimeWarning, match="1 of 26 tokens \\(3.8%\\) are the tokenizer's "
+                                            "unknown token .*first at data.jsonl:4; 0 of 8 "
+                                            "trained tokens"):
+        kept = scan_examples(some, tok, seq_len=16, source="data.jsonl", lines=[1, 2, 3, 4])
+    assert kept == some

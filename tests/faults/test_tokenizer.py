@@ -58,3 +58,41 @@ def test_student_init_from_another_tokenizer_is_refused(good_run, other_tokenize
                           f"--config.model.init_from={good_run[0]}"),
                   str(tmp_path / "run"), progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_with_another_tokenizer_is_refused(good_run, other_tokenizer):
+    """Issue 30 case 9: eval reported 0.000 rewards as real for a checkpoint trained with
+    another tokenizer."""
+    from opd_jax.trainers.evaluate import evaluate_checkpoint
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/eval.py"),
+                      [f"--config.tokenizer={other_tokenizer}"])
+    with pytest.raises(ValueError, match="eval checkpoint .* was trained with tokenizer "
+                                         "'synthetic'.*Use the same tokenizer"):
+        evaluate_checkpoint(str(good_run[0]), cfg)
+
+
+def test_a_tokenizer_folder_without_tokenizer_files_names_it(tmp_path):
+    from opd_jax.models import load_tokenizer
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"tokenizer folder '{tmp_path}/empty' holds "
+                                                f"no tokenizer files"):
+        load_tokenizer(str(tmp_path / "empty"))
+
+
+def test_a_teacher_shorter_than_the_rollouts_is_refused_before_work(tmp_path):
+    """Issue 30 case 3: a teacher with max_position_embeddings=16 scored 25-position
+    sequences (the positions check covered students only)."""
+    from opd_jax.models import ModelConfig, save_pretrained
+    from tests.models.helpers import random_model
+    short = tmp_path / "short"
+    cfg16 = ModelConfig.preset("tiny").replace(vocab_size=128, max_position_embeddings=16)
+    save_pretrained(random_model(cfg16), str(short))
+    synthetic_tokenizer().save_pretrained(str(short))
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/opd.py:kimi_mopd"), [
+        f"--config.teachers.paths={{'general/high': '{short}'}}",
+        "--config.rollout.sampling.max_new_tokens=24"])
+    with pytest.raises(ValueError, match="rollout.sampling.max_new_tokens=24: expected fewer "
+                                         "than teacher 'general/high''s "
+                                         "max_position_embeddings=16"):
+        train_policy(cfg, str(tmp_path / "run"), progress=False)
+    assert not (tmp_path / "run").exists()
