@@ -103,8 +103,13 @@ def main(argv: list[str] | None = None) -> int:
             from opd_jax.trainers.run_sft import train_sft   # lazy: start-up time
             out = train_sft(cfg, args.workdir, progress=not args.no_progress,
                             resume_with_changes=args.resume_with_changes)
-            print(f"sft done: step {out['step']} loss {out['loss']:.4f}; "
-                  f"checkpoint {out['checkpoint']}")
+            if out.get("finished_before"):
+                print(f"sft: {args.workdir} had already finished all {out['step']} steps "
+                      f"(last logged loss {out['loss']:.4f}); nothing to do; checkpoint "
+                      f"{out['checkpoint']}")
+            else:
+                print(f"sft done: step {out['step']} loss {out['loss']:.4f}; "
+                      f"checkpoint {out['checkpoint']}")
         elif args.command in ("grpo", "opd"):
             from opd_jax.trainers.run_policy import train_policy   # lazy: start-up time
             if (cfg.objective.name == "grpo") != (args.command == "grpo"):
@@ -112,9 +117,15 @@ def main(argv: list[str] | None = None) -> int:
                                   f"command {args.command!r}")
             out = train_policy(cfg, args.workdir, progress=not args.no_progress,
                                resume_with_changes=args.resume_with_changes)
-            last = out["history"][-1] if out["history"] else {}
-            print(f"{args.command} done: iteration {last.get('step')} reward "
-                  f"{last.get('reward/mean', float('nan')):.3f}; checkpoints {out['checkpoint']}")
+            if not out["history"]:    # nothing ran: the workdir had finished every iteration
+                print(f"{args.command}: {args.workdir} had already finished all "
+                      f"{cfg.train.steps} iterations; nothing to do; checkpoints "
+                      f"{out['checkpoint']}")
+            else:
+                last = out["history"][-1]
+                print(f"{args.command} done: iteration {last.get('step')} reward "
+                      f"{last.get('reward/mean', float('nan')):.3f}; checkpoints "
+                      f"{out['checkpoint']}")
         return 0
     except (ConfigError, OSError, ValueError, KeyError) as e:   # OSError: storage, names the file
         if os.environ.get("OPD_JAX_DEBUG"):

@@ -48,9 +48,16 @@ class ModelRef:
     def kind(self) -> str:
         if is_gguf(self.path):
             return "gguf"
-        return "hf" if os.path.isfile(os.path.join(self.path, "config.json")) and any(
-            f.endswith(".safetensors") or f.endswith(".safetensors.index.json")
-            for f in os.listdir(self.path)) else "orbax"
+        if os.path.isfile(os.path.join(self.path, "config.json")):
+            if any(f.endswith(".safetensors") or f.endswith(".safetensors.index.json")
+                   for f in os.listdir(self.path)):
+                return "hf"
+            run_files = ("checkpoints", "run.lock", "metrics.jsonl")   # an opd_jax workdir
+            if not any(os.path.exists(os.path.join(self.path, f)) for f in run_files):
+                raise FileNotFoundError(
+                    f"{self.path} holds a config.json but no *.safetensors weights; expected "
+                    f"a Hugging Face folder with its weights (model.safetensors)")
+        return "orbax"
 
     def model_config(self) -> ModelConfig:
         """The checkpoint's config, read without touching its weights."""

@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import time
+import warnings
 from collections import defaultdict
 
 import grain
@@ -165,6 +166,27 @@ class Batcher:
         self.judge_weight = cfg.rewards.judge.weight if "rewards" in cfg else 0.0
         self.overlong = (int(cfg.rl.get("overlong_buffer", 0)),
                          builders.overlong_max_len(cfg))
+        self.flat_iterations = 0     # consecutive iterations whose groups all tied
+
+    FLAT_WARN_AFTER = 3
+
+    def watch_flat(self, rewards_B: np.ndarray) -> None:
+        """Warn (once) when group-relative advantages have been all zero for
+        FLAT_WARN_AFTER iterations in a row: every group's rewards tied, so GRPO learns
+        nothing (its loss is 0) until some rollout scores differently."""
+        if self.G < 2:
+            return
+        groups = rewards_B.reshape(-1, self.G)
+        tied = bool(np.all(groups.max(axis=1) == groups.min(axis=1)))
+        self.flat_iterations = self.flat_iterations + 1 if tied else 0
+        if self.flat_iterations == self.FLAT_WARN_AFTER:
+            values = sorted({float(x) for x in np.unique(rewards_B)})[:4]
+            warnings.warn(f"the rewards of every group of {self.G} rollouts tied for "
+                          f"{self.FLAT_WARN_AFTER} iterations in a row (values {values}): "
+                          f"every advantage is 0, so the policy loss is 0 and nothing is "
+                          f"learned; the tasks are too hard or too easy for this model "
+                          f"(see reward/mean), or the reward cannot tell rollouts apart",
+                          RuntimeWarning, stacklevel=2)
 
     def __call__(self, episodes, judge_B=None) -> tuple[dict, PolicyBatch, dict]:
         """(the student's sequences, the batch without teacher fields, metrics)."""
@@ -187,6 +209,7 @@ class Batcher:
             rewards_B = rewards_B + penalty_B
             metrics["overlong/penalty_mean"] = float(penalty_B.mean())
         adv_B = advantages(rewards_B, self.G, self.rl.adv_scale)
+        self.watch_flat(rewards_B)
         if self.rl.dynamic_sampling:
             keep_B = np.repeat(np.asarray(losses.dapo_group_filter(
                 jnp.asarray(rewards_B.reshape(-1, self.G)))), self.G).astype(np.int32)

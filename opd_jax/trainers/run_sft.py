@@ -24,6 +24,7 @@ import ml_collections
 
 from opd_jax import sharding as sh
 from opd_jax.trainers import builders
+from opd_jax.trainers.metrics import read_metrics
 from opd_jax.trainers.run import Run, Setup
 from opd_jax.trainers.sft import sft_step
 
@@ -44,6 +45,10 @@ def train_sft(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = 
         step_fn = run.compile(functools.partial(sft_step, graphdef=run.graphdef, tx=run.tx,
                                                 grad_accum=cfg.optim.grad_accum))
         last = {"step": run.start, "loss": float("nan")}
+        if run.start >= total:      # a finished run: report its last logged loss, not nan
+            logged = [m for m in read_metrics(workdir) if "loss" in m]
+            last = {"step": run.start, "loss": float(logged[-1]["loss"]) if logged
+                    else float("nan"), "finished_before": True}
         bar = run.progress(total, desc="sft", enabled=progress)
         for step in bar:
             batch = sh.shard_batch(next(data_iter), setup.mesh, setup.rules)

@@ -210,3 +210,23 @@ def test_text_the_tokenizer_cannot_represent_is_counted(tmp_path):
                                             "trained tokens"):
         kept = scan_examples(some, tok, seq_len=16, source="data.jsonl", lines=[1, 2, 3, 4])
     assert kept == some
+
+
+def test_grpo_warns_when_rewards_never_vary():
+    """Issue 30: GRPO whose rewards never vary trained at loss 0 with no warning."""
+    import warnings as w
+    import numpy as np
+    from opd_jax.trainers.phases import Batcher
+    cfg = load_config(GRPO)
+    b = Batcher(cfg, ModelConfig.preset("tiny"))
+    G = cfg.rollout.group_size
+    tied = np.zeros(2 * G, np.float32)
+    varied = np.concatenate([np.zeros(G), np.eye(1, G)[0]]).astype(np.float32)
+    with w.catch_warnings():
+        w.simplefilter("error")
+        for r in (tied, tied, varied, tied, tied):   # a varied iteration resets the count
+            b.watch_flat(r)
+    with pytest.warns(RuntimeWarning, match=f"rewards of every group of {G} rollouts tied "
+                                            f"for 3 iterations in a row \\(values \\[0.0\\]\\): "
+                                            f"every advantage is 0"):
+        b.watch_flat(tied)

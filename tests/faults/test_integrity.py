@@ -243,3 +243,15 @@ def test_an_edited_iterator_state_falls_back_like_a_corrupt_step(run_copy):
                                             "intact step 4"):
         out = train_sft(sft_cfg(), str(run_copy), progress=False)
     assert out["step"] == 8 and (run_copy / "checkpoints" / "8.corrupt").is_dir()
+
+
+def test_an_hf_folder_without_weights_says_so(tmp_path):
+    """Issue 30: the shipped base without its weights file said "no Orbax checkpoint"."""
+    from opd_jax.models import ModelRef
+    from opd_jax.models.builtin import builtin_path
+    folder = tmp_path / "base"
+    shutil.copytree(builtin_path("base"), folder,
+                    ignore=shutil.ignore_patterns("*.safetensors"))
+    with pytest.raises(FileNotFoundError, match=f"{folder} holds a config.json but no "
+                                                f"\\*.safetensors weights"):
+        ModelRef(str(folder)).load()

@@ -168,3 +168,13 @@ def test_sigkilled_run_leaves_a_stale_lock_and_resumes_bitwise(tmp_path):
     for x, y in zip(jax.tree.leaves(_final_params(full, 16)),
                     jax.tree.leaves(_final_params(killed, 16))):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_rerunning_a_finished_run_says_so(good_run, run_copy, capsys):
+    """Issue 30: a finished run re-run printed "loss nan" / "iteration None"."""
+    from opd_jax.cli import main
+    from tests.faults.conftest import GOOD, SFT, TINY
+    argv = ["sft", "--config", SFT, *TINY, *GOOD, "--workdir", str(run_copy), "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"had already finished all 8 steps (last logged loss" in out and "nan" not in out
