@@ -233,11 +233,14 @@ def restore_params(step_dir: str, abstract_params: Any, shardings: Any | None = 
         dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: dev, abstract_params)
     restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s), shardings)
-    out = ocp.PyTreeCheckpointer().restore(
-        os.path.join(step_dir, "state"),
-        args=ocp.args.PyTreeRestore(item={"params": abstract_params},
-                                    restore_args={"params": restore_args},
-                                    partial_restore=True))
+    try:
+        out = ocp.PyTreeCheckpointer().restore(
+            os.path.join(step_dir, "state"),
+            args=ocp.args.PyTreeRestore(item={"params": abstract_params},
+                                        restore_args={"params": restore_args},
+                                        partial_restore=True))
+    except Exception as e:  # noqa: BLE001 - corrupt or truncated data: one line naming it
+        raise CheckpointError(f"checkpoint {step_dir} is unreadable: {_reason(e)}") from e
     meta = read_step_meta(step_dir) if os.path.isdir(os.path.join(step_dir, "meta")) else {}
     verify_digest(out["params"], meta, f"checkpoint {step_dir}", prefix=".params")
     return out["params"]

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import jax
 
 from opd_jax import sharding as sh
+from opd_jax.checkpoint import CheckpointError
 from opd_jax.models import ModelConfig, ModelRef, Transformer, check_tokenizer, model_bytes
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,18 @@ class TeacherBank:
                 check_tokenizer(spec, tokenizer, tokenizer_spec, what=f"teacher {key!r} at")
             configs[key] = cfg
         return configs
+
+    def open_all(self) -> None:
+        """Load every teacher once (integrity and finiteness checked by its reader), so a
+        corrupt or unreadable checkpoint fails before any rollout, naming it; the last
+        `max_loaded` stay cached for the first scoring."""
+        for key in self.specs:
+            try:
+                self.get(key)
+            except CheckpointError as e:
+                raise CheckpointError(f"teacher {key!r} at {self.specs[key].path}: {e}") from e
+            except (OSError, ValueError) as e:
+                raise type(e)(f"teacher {key!r} at {self.specs[key].path}: {e}") from e
 
     def spec(self, key: str) -> ModelRef:
         if key not in self.specs:

@@ -123,6 +123,7 @@ class Teachers:
                                  f"fewer than teacher {key!r}'s max_position_embeddings="
                                  f"{tc.max_position_embeddings} (it scores every sampled "
                                  f"token)")
+        self.bank.open_all()      # a corrupt teacher fails now, before any rollout
         self.scorer = TeacherScorer(self.bank, setup.tokenizer, needs.teacher,
                                     role=t.prompt_role, chunk_rows=chunk_rows)
 

@@ -255,3 +255,21 @@ def test_an_hf_folder_without_weights_says_so(tmp_path):
     with pytest.raises(FileNotFoundError, match=f"{folder} holds a config.json but no "
                                                 f"\\*.safetensors weights"):
         ModelRef(str(folder)).load()
+
+
+def test_a_corrupt_teacher_fails_before_any_rollout(run_copy, tmp_path):
+    """Issue 30: a corrupt teacher checkpoint failed after a rollout, with 11 tracebacks;
+    teachers are now opened (and checked) before the first rollout, and before the
+    workdir is written."""
+    from opd_jax.config import load_config
+    from opd_jax.trainers.run_policy import train_policy
+    from tests.faults.conftest import ROOT
+    _bad_checksum(str(run_copy / "checkpoints" / "8"))
+    for f in _data_files(run_copy / "checkpoints" / "8"):
+        _flip_middle(f)
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/opd.py:kimi_mopd"),
+                      [f"--config.teachers.paths={{'general/high': '{run_copy}'}}"])
+    with pytest.raises(CheckpointError, match=f"teacher 'general/high' at {run_copy}: .*"
+                                              f"checkpoints/8"):
+        train_policy(cfg, str(tmp_path / "student"), progress=False)
+    assert not (tmp_path / "student").exists()
