@@ -241,8 +241,10 @@ def test_smollm2_bf16_logits_within_the_stated_bound(smollm2):
 @needs_smollm2
 def test_smollm2_brings_its_tokenizer_and_chatml(smollm2):
     from opd_jax import envs
-    from opd_jax.models import bos_ids, resolve_tokenizer
+    from opd_jax.models import bos_ids, load_tokenizer, resolve_tokenizer
     _, tok, _, _ = smollm2
+    assert load_pretrained("builtin:smollm2").config.num_layers == 30     # by its name
+    assert load_tokenizer("builtin:smollm2").get_vocab() == tok.get_vocab()
     assert bos_ids(tok) == []          # its template opens with <|im_start|>, its BOS
     assert resolve_tokenizer("", "builtin:smollm2") == "builtin:smollm2"
     envs.check_chat_template(tok, ["word_arith", "json_call"])   # ChatML, as they render
