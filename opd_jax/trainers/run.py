@@ -31,7 +31,7 @@ import ml_collections
 from tqdm.auto import tqdm
 
 from opd_jax import sharding as sh
-from opd_jax.checkpoint import Checkpointer, abstract_like
+from opd_jax.checkpoint import Checkpointer, CheckpointError, WorkdirError, abstract_like
 from opd_jax.trainers import builders
 from opd_jax.trainers.metrics import DivergenceGuard, MetricsWriter
 from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
@@ -86,7 +86,9 @@ class Run:
         state: the frozen reference of a KL penalty is the initial policy, not the resumed
         one."""
         model_meta = setup.model_config.to_dict()
-        ckpt = open_workdir(workdir, cfg, model_meta, resume_with_changes=resume_with_changes)
+        ckpt, commit, changes = open_workdir(workdir, cfg, model_meta,
+                                             resume_with_changes=resume_with_changes,
+                                             defer_write=True)
         try:
             model = builders.build_model(cfg.model, setup.mesh, setup.rules, seed=cfg.seed)
             tx = make_optimizer(cfg.optim, optimizer_steps)
@@ -96,8 +98,20 @@ class Run:
                        else None)
             start = 0
             if ckpt.latest_step() is not None:
-                state, _ = ckpt.restore(None, abstract_like(state), iterator)
+                try:
+                    state, _ = ckpt.restore(None, abstract_like(state), iterator)
+                except CheckpointError as e:
+                    optim = sorted(k for k in changes if k.startswith("optim."))
+                    if not optim:
+                        raise
+                    raise WorkdirError(
+                        f"workdir {workdir!r}: its checkpoints could not be restored under "
+                        f"the changed optimizer settings ({', '.join(optim)}): the optimizer "
+                        f"state saved with them has another structure ({e}); resume with "
+                        f"the saved optimizer or use a new --workdir (config.json unchanged)"
+                    ) from e
                 start = int(state.step) // steps_per_unit
+            commit()      # config.json (and the change record): the run is under it now
             guard = DivergenceGuard(cfg.train.get("max_bad_steps", 0), unit=guard_unit,
                                     lr=cfg.optim.lr)
             writer = MetricsWriter(workdir, resume_step=start)

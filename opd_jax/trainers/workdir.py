@@ -70,8 +70,13 @@ def _write_json(path: str, obj) -> None:
 
 
 def open_workdir(workdir: str, cfg: ml_collections.ConfigDict, model_meta: dict, *,
-                 resume_with_changes: bool = False) -> Checkpointer:
+                 resume_with_changes: bool = False, defer_write: bool = False):
     """The run's Checkpointer, holding the workdir lock (released by its ``close()``).
+
+    defer_write: return ``(ckpt, commit, changes)`` instead, where ``commit()`` writes
+    config.json and the change record: the caller calls it once the checkpoint has been
+    restored under the new config, so a resume that fails (an optimizer change the saved
+    state cannot follow) leaves both files as they were.
 
     Before any weights are built: the workdir is a writable folder, no other run holds it,
     its checkpoints are of this model (`check_workdir`), and a resumed run's config equals
@@ -103,7 +108,10 @@ def open_workdir(workdir: str, cfg: ml_collections.ConfigDict, model_meta: dict,
                     f"config: {lines}. Resume with the saved config, use a new --workdir, or "
                     f"pass --resume_with_changes to continue under the new values (resumable "
                     f"without it: {', '.join(RESUMABLE)})")
-            if changes and lead:     # resumable ones too: config.json is the run's config
+        write_config = lead and (latest is None or changes or not os.path.isfile(path))
+
+        def commit():
+            if changes and lead:   # resumable ones too: config.json is the run's config
                 with open(os.path.join(workdir, "config_changes.jsonl"), "a",
                           encoding="utf-8") as f:
                     f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -111,11 +119,13 @@ def open_workdir(workdir: str, cfg: ml_collections.ConfigDict, model_meta: dict,
                                         "changes": {k: {"from": a, "to": b}
                                                     for k, (a, b) in changes.items()}},
                                        default=str) + "\n")
-        if lead and (latest is None or changes or not os.path.isfile(path)):
-            _write_json(path, cfg.to_dict())
+            if write_config:
+                _write_json(path, cfg.to_dict())
+        if not defer_write:
+            commit()
     except BaseException:
         if lock is not None:
             lock.release()
         raise
     ckpt.lock = lock
-    return ckpt
+    return (ckpt, commit, changes) if defer_write else ckpt

@@ -178,3 +178,21 @@ def test_rerunning_a_finished_run_says_so(good_run, run_copy, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert f"had already finished all 8 steps (last logged loss" in out and "nan" not in out
+
+
+def test_resume_with_a_changed_optimizer_structure_says_so_and_writes_nothing(run_copy):
+    """Issue 30: --resume_with_changes with a new optimizer said "no intact checkpoint"
+    about intact ones and rewrote config.json (and a failed one left its values pinned)."""
+    before = checkpoint_snapshot(run_copy)
+    config = (run_copy / "config.json").read_text()
+    with pytest.raises(WorkdirError, match="could not be restored under the changed optimizer "
+                                           "settings \\(optim.name\\).*another structure.*"
+                                           "config.json unchanged"):
+        train_sft(sft_cfg("--config.train.steps=10", "--config.optim.name=sgd"),
+                  str(run_copy), progress=False, resume_with_changes=True)
+    assert checkpoint_snapshot(run_copy) == before
+    assert (run_copy / "config.json").read_text() == config
+    assert not (run_copy / "config_changes.jsonl").exists()
+    # nothing pinned: resuming under the saved config still works without the flag
+    assert train_sft(sft_cfg("--config.train.steps=10"), str(run_copy),
+                     progress=False)["step"] == 10
