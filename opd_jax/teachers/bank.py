@@ -76,11 +76,11 @@ class TeacherBank:
             configs[key] = cfg
         return configs
 
-    def open_all(self) -> None:
-        """Load every teacher once (integrity and finiteness checked by its reader), so a
-        corrupt or unreadable checkpoint fails before any rollout, naming it; the last
-        `max_loaded` stay cached for the first scoring."""
-        for key in self.specs:
+    def open_all(self, keys=None) -> None:
+        """Load every teacher (or those of `keys`) once, integrity and finiteness checked by
+        its reader, so a corrupt or unreadable checkpoint fails before any rollout, naming
+        it; the last `max_loaded` stay cached for the first scoring."""
+        for key in (self.specs if keys is None else keys):
             try:
                 self.get(key)
             except CheckpointError as e:

@@ -123,7 +123,8 @@ class Teachers:
                                  f"fewer than teacher {key!r}'s max_position_embeddings="
                                  f"{tc.max_position_embeddings} (it scores every sampled "
                                  f"token)")
-        self.bank.open_all()      # a corrupt teacher fails now, before any rollout
+        used = sorted({k for w in self.cell_weights.values() for k, v in w.items() if v > 0})
+        self.bank.open_all(used)  # a corrupt teacher fails now, before any rollout
         self.scorer = TeacherScorer(self.bank, setup.tokenizer, needs.teacher,
                                     role=t.prompt_role, chunk_rows=chunk_rows)
 
