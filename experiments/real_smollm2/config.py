@@ -11,7 +11,7 @@ untouched model by routed OPD (sampled-token Kimi signal; full-vocabulary revers
 task-arithmetic merge of the specialists, its scale tuned on validation problems. See
 `opd_jax.recipes.real_smollm2` for what is measured.
 
-Presets: ``default`` (one seed, about 1.5 h on 2 CPU cores; ``--config.seeds="(0,1,2)"``
+Presets: ``default`` (one seed, 84 minutes on 2 CPU cores; ``--config.seeds="(0,1,2)"``
 for three), ``smoke`` (a few steps of every stage on the real model: the slow test tier).
 Every stage resumes from its checkpoints if the command is re-run with the same workdir.
 """
@@ -60,8 +60,8 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.specialist_sft.data.update(dict(seq_len=256, batch_size=8, packing=True))
     # GRPO after SFT if the budget allows (0: the specialist is its SFT stage).
     c.specialist_rl = base("grpo.py:tiny", "--config.train.steps=0")
-    # 16 iterations of 16 rollouts at lr 2e-4 (summed lr 3.0e-3, about the specialists'
-    # SFT's 2.6e-3): an iteration costs about 70 s here (rollout 18 s, teacher 10 s, old
+    # 16 iterations of 16 rollouts at lr 2e-4 (summed lr 2.8e-3; the specialists' SFT:
+    # 2.2e-3): an iteration costs about 70 s here (rollout 18 s, teacher 10 s, old
     # log-probs 9 s, update 33 s, measured at 32 iterations of lr 1e-4, which would have
     # taken 40 minutes per student).
     c.student_kimi = _policy("kimi_mopd", steps=16, lr=2e-4, prompts=16, max_new=128)
