@@ -33,7 +33,7 @@ from flax import nnx
 
 from opd_jax import envs
 from opd_jax.episodes import SamplingConfig, build_sequences
-from opd_jax.models import ModelRef, bos_ids
+from opd_jax.models import ModelRef, Transformer, bos_ids
 from opd_jax.recipes import report as rp
 from opd_jax.recipes.pipeline import Stage, read_done, stage_dir
 from opd_jax.rollout import generate
@@ -157,15 +157,16 @@ def _answers(model, prompts, tokenizer, *, temperature: float, seed: int, max_ne
     return [list(map(int, r)) for r in res.tokens]
 
 
-def general_ability(c, sw: str, name: str, path: str | None, start, start_answers, tokenizer
-                    ) -> dict:
+def general_ability(c, sw: str, name: str, path: str | None, reference, tokenizer) -> dict:
     """Reverse KL per token to the untouched model on the model's own sampled answers, and
-    mean log-likelihood per token of the untouched model's greedy answers (cached)."""
+    mean log-likelihood per token of the untouched model's greedy answers (cached).
+    `reference()`: (the untouched model, its greedy answers), built on first use."""
     out_dir = stage_dir(sw, name)
     cache = os.path.join(out_dir, "general_ability.json")
     if os.path.isfile(cache):
         with open(cache, encoding="utf-8") as f:
             return json.load(f)
+    start, start_answers = reference()
     model = start if path == c.start else ModelRef(path or out_dir).load()
     prompts = general_prompts(tokenizer)
     own = _answers(model, prompts, tokenizer, temperature=1.0, seed=c.eval.seed,
@@ -184,6 +185,12 @@ def general_ability(c, sw: str, name: str, path: str | None, start, start_answer
     os.makedirs(out_dir, exist_ok=True)
     rp.write_json(cache, res)
     return res
+
+
+def param_count(config) -> int:
+    """Parameters of a model of `config`, from abstract shapes (no weights read)."""
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    return int(sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))))
 
 
 def stage_flops(c, sw: str, stage: Stage, n_params: int) -> float:
@@ -222,15 +229,21 @@ def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dic
         val_mean = {k: float(np.mean([v[d]["pass"] for d in domains])) for k, v in val.items()}
         best = max(val_mean, key=val_mean.get)
         models["merge"] = ev(best)
-        start = ModelRef(c.start).load()
-        start_answers = _answers(start, general_prompts(tokenizer), tokenizer, temperature=0.0,
-                                 seed=0, max_new=c.general_max_new)
+        built: list = []
+
+        def reference():     # loaded and decoded only when a cache is missing
+            if not built:
+                start = ModelRef(c.start).load()
+                built.extend([start, _answers(start, general_prompts(tokenizer), tokenizer,
+                                              temperature=0.0, seed=0,
+                                              max_new=c.general_max_new)])
+            return built[0], built[1]
         stage_of = {"start": ("start", c.start), "merge": (best, None),
                     **{f"specialist_{d}": (specialist(c, d), None) for d in domains},
                     **{n: (n, None) for n in STUDENTS}}
-        general = {k: general_ability(c, sw, name, path, start, start_answers, tokenizer)
+        general = {k: general_ability(c, sw, name, path, reference, tokenizer)
                    for k, (name, path) in stage_of.items()}
-        n_params = int(sum(x.size for x in jax.tree.leaves(nnx.state(start, nnx.Param))))
+        n_params = param_count(ModelRef(c.start).model_config())
         cost = {s.name: {"wall_s": read_done(sw, s.name)["wall_s"],
                          "flops": stage_flops(c, sw, s, n_params)} for s in stages}
         per_seed.append({"seed": seed, "models": models, "merge_validation": val_mean,
