@@ -177,7 +177,7 @@ def test_rerunning_a_finished_run_says_so(good_run, run_copy, capsys):
     argv = ["sft", "--config", SFT, *TINY, *GOOD, "--workdir", str(run_copy), "--no-progress"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert f"had already finished all 8 steps (last logged loss" in out and "nan" not in out
+    assert "had already finished all 8 steps (last logged loss" in out and "nan" not in out
 
 
 def test_resume_with_a_changed_optimizer_structure_says_so_and_writes_nothing(run_copy):
