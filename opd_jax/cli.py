@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError("convert needs --from M.gguf (or builtin:smollm2) --to DIR")
             from opd_jax.models import builtin, gguf_io   # lazy: start-up time
             src = builtin.resolve_model_path(args.src)
+            if not os.path.exists(src):
+                raise ConfigError(f"convert --from {args.src!r}: no such file; expected a "
+                                  f".gguf file or builtin:smollm2")
             if not gguf_io.is_gguf(src):
                 raise ConfigError(f"convert --from {args.src!r}: expected a .gguf file")
             print(f"wrote {gguf_io.convert_gguf(src, args.dst)}")

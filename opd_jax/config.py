@@ -31,9 +31,7 @@ from typing import Any
 
 import ml_collections
 
-
-class ConfigError(ValueError):
-    """A config file, preset or override is wrong; the message says which and why."""
+from opd_jax.schema import ConfigError   # noqa: F401 - the one config error, re-exported
 
 
 # The trainer configs shipped in the package (sft.py, grpo.py, opd.py, eval.py and their

@@ -30,7 +30,7 @@ from opd_jax.config import PACKAGED_CONFIGS, load_config
 from opd_jax.data.corpus import corpus_families, pretraining_corpus
 from opd_jax.envs import KNOWN_EFFORTS
 from opd_jax.episodes import SamplingConfig
-from opd_jax.models import ModelRef, save_pretrained, synthetic_tokenizer
+from opd_jax.models import ModelRef, save_pretrained, synthetic_tokenizer, tokenizer_meta
 from opd_jax.models.builtin import builtin_path
 from opd_jax.models.hf import read_config
 from opd_jax.recipes import EFFORTS, TESTBED
@@ -53,7 +53,7 @@ def train(workdir: str, overrides=()) -> float:
 
 def export(workdir: str, out: str) -> dict:
     model = ModelRef(workdir).load()
-    save_pretrained(model, out)
+    save_pretrained(model, out, tokenizer=tokenizer_meta("synthetic", synthetic_tokenizer()))
     return {"n_params": sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))}
 
 

@@ -9,9 +9,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Low to high. A module may import its own part or any part on a lower floor; parts on one
 # floor never import each other.
 FLOORS = [
-    ["opd_jax", "opd_jax.shapes", "opd_jax.config", "opd_jax.compile_cache",
+    ["opd_jax", "opd_jax.shapes", "opd_jax.schema", "opd_jax.compile_cache",
      "opd_jax.distributed", "pallas_kernels"],
-    ["opd_jax.sharding", "opd_jax.checkpoint", "opd_jax.envs", "opd_jax.losses"],
+    ["opd_jax.sharding", "opd_jax.checkpoint", "opd_jax.envs", "opd_jax.losses",
+     "opd_jax.config"],
     ["opd_jax.models", "opd_jax.plotting"],
     ["opd_jax.data", "opd_jax.rollout"],
     ["opd_jax.episodes"],

@@ -15,6 +15,8 @@ step is restored, with a warning naming both. A workdir is held by one run at a 
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -28,6 +30,8 @@ import orbax.checkpoint as ocp
 
 from opd_jax.checkpoint.digest import CheckpointError, state_digest, verify_digest
 from opd_jax.checkpoint.lock import WorkdirLock
+from opd_jax.checkpoint.storage import (check_space, install_late_callback_guard,
+                                        install_log_filter, quiet, state_bytes, storage_error)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,9 @@ class Checkpointer:
         self.directory = os.path.abspath(os.fspath(directory))
         self._keep, self._async = keep, async_save
         self.lock: WorkdirLock | None = None     # released by close()
+        self._pending: int | None = None          # the step an async save is writing
+        install_log_filter()                      # a failed background save: one error
+        install_late_callback_guard()
         self._mngr = self._manager()
 
     def _manager(self) -> ocp.CheckpointManager:
@@ -75,12 +82,40 @@ class Checkpointer:
         args = {"state": ocp.args.StandardSave(state), "meta": ocp.args.JsonSave(meta)}
         if data_iter is not None:
             args["data"] = grain.checkpoint.CheckpointSave(data_iter)
+        self.wait()       # the previous async save's failure surfaces here, as its own step
         try:
             os.makedirs(self.directory, exist_ok=True)
-            self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
+            check_space(self.directory, step, state_bytes(state), self.all_steps())
         except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise
             raise OSError(e.errno, f"writing checkpoint {step} under {self.directory}: "
                                    f"{e.strerror or e}", e.filename) from e
+        self._pending = step
+        with self._storage(step):
+            self._mngr.save(step, args=ocp.args.Composite(**args), force=True)
+        if not self._async:
+            self._pending = None
+
+    @contextlib.contextmanager
+    def _storage(self, step):
+        """Orbax's failure noise held back (`storage.quiet`); a failed write as one
+        OSError naming the step and folder."""
+        try:
+            with quiet():
+                yield
+        except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError for I/O
+            self._pending = None
+            if isinstance(e, CheckpointError):
+                raise
+            raise storage_error(e, step, self.directory,
+                                [s for s in self._safe_steps() if s != step]) from e
+
+    def _safe_steps(self) -> list[int]:
+        try:
+            return self.all_steps()
+        except Exception:  # noqa: BLE001
+            return []
 
     def read_meta(self, step: int | None = None) -> dict:
         """The meta of `step`, or of the newest step whose meta is readable."""
@@ -90,8 +125,9 @@ class Checkpointer:
         errors = []
         for s in steps:
             try:
-                return self._mngr.restore(
-                    s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+                with quiet():
+                    return self._mngr.restore(
+                        s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             except Exception as e:  # noqa: BLE001 - any unreadable step: try the previous
                 errors.append(f"step {s}: {_reason(e)}")
         raise CheckpointError(f"no readable checkpoint metadata under {self.directory} "
@@ -122,7 +158,8 @@ class Checkpointer:
         previous one restored, with a warning naming both; an explicit step only raises."""
         if step is not None:
             try:
-                return self._restore_one(step, abstract_state, data_iter)
+                with quiet():
+                    return self._restore_one(step, abstract_state, data_iter)
             except CheckpointError:
                 raise
             except Exception as e:  # noqa: BLE001
@@ -134,7 +171,8 @@ class Checkpointer:
         errors = []
         for i, s in enumerate(steps):
             try:
-                out = self._restore_one(s, abstract_state, data_iter)
+                with quiet():      # a corrupt step's read noise: the warning says it
+                    out = self._restore_one(s, abstract_state, data_iter)
             except Exception as e:  # noqa: BLE001 - corrupt data, metadata or checksum
                 errors.append((s, _reason(e)))
                 continue
@@ -169,11 +207,14 @@ class Checkpointer:
         return moved
 
     def wait(self) -> None:
-        self._mngr.wait_until_finished()
+        """Block until the async save is written; its failure raised as one OSError."""
+        with self._storage(self._pending):
+            self._mngr.wait_until_finished()
+        self._pending = None
 
     def close(self) -> None:
         try:
-            self._mngr.wait_until_finished()
+            self.wait()
             self._mngr.close()
         finally:
             if self.lock is not None:
@@ -234,11 +275,12 @@ def restore_params(step_dir: str, abstract_params: Any, shardings: Any | None = 
         shardings = jax.tree.map(lambda _: dev, abstract_params)
     restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s), shardings)
     try:
-        out = ocp.PyTreeCheckpointer().restore(
-            os.path.join(step_dir, "state"),
-            args=ocp.args.PyTreeRestore(item={"params": abstract_params},
-                                        restore_args={"params": restore_args},
-                                        partial_restore=True))
+        with quiet():      # a corrupt step's read noise: the error says it
+            out = ocp.PyTreeCheckpointer().restore(
+                os.path.join(step_dir, "state"),
+                args=ocp.args.PyTreeRestore(item={"params": abstract_params},
+                                            restore_args={"params": restore_args},
+                                            partial_restore=True))
     except Exception as e:  # noqa: BLE001 - corrupt or truncated data: one line naming it
         raise CheckpointError(f"checkpoint {step_dir} is unreadable: {_reason(e)}") from e
     meta = read_step_meta(step_dir) if os.path.isdir(os.path.join(step_dir, "meta")) else {}

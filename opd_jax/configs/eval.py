@@ -14,16 +14,15 @@ Presets: ``grid`` (3 domains x 3 efforts: arithmetic, tool_lookup, code_expr),
 """
 import ml_collections
 
-from _sections import eval_config
+from opd_jax.trainers.config_schema import section
 
 
 def get_config(arg: str = "grid") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.tokenizer = "synthetic"
-    c.tasks = ml_collections.ConfigDict(dict(
-        families={"general": "arithmetic", "agent": "tool_lookup", "coding": "code_expr"},
-        efforts=("low", "high", "max"), difficulty=1, seed=0))
-    c.eval = eval_config(every=0)
+    c.tasks = section("eval_tasks", efforts=("low", "high", "max"), families={
+        "general": "arithmetic", "agent": "tool_lookup", "coding": "code_expr"})
+    c.eval = section("eval", every=0)
     if arg == "grid":
         pass
     elif arg == "general":

@@ -12,14 +12,12 @@ token-mean), ``drgrpo`` (no std scaling, max_len aggregation).
 """
 import ml_collections
 
-from _sections import correction_config, policy_base
+from _sections import objective, policy_base
 
 
 def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c = policy_base()
-    c.objective = ml_collections.ConfigDict(dict(name="grpo", options=ml_collections.ConfigDict(dict(
-        eps_low=0.2, eps_high=0.2, correction=correction_config(), aggregation="token_mean",
-        max_len=None, kl_beta=0.0))))
+    c.objective = objective("grpo")
     if arg == "tiny":
         pass
     elif arg == "dapo":

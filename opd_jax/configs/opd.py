@@ -14,32 +14,17 @@ hidden states cached, teachers loaded on demand into a bounded cache).
 """
 import ml_collections
 
-from _sections import correction_config, policy_base
+from _sections import objective, policy_base
+from opd_jax.trainers.config_schema import section
 
 
 def get_config(arg: str = "kimi_mopd") -> ml_collections.ConfigDict:
     c = policy_base()
-    c.teachers = ml_collections.ConfigDict(dict(
-        paths={},                 # key -> checkpoint folder
-        routing="cell",           # "cell" (domain/effort) | "domain" | "table" | "mixture"
-        table={},                 # routing="table": cell or domain -> key
-        weights={},               # routing="mixture": cell or domain -> {key: weight}, sum 1
-        max_loaded=0,             # LRU bound on loaded teachers (0 = unbounded)
-        prompt_role="student",    # teachers see the student's prompt ("teacher": no effort token)
-    ))
+    c.teachers = section("teachers")
     c.rollout.group_size = 1
-    pg = dict(eps_low=0.2, eps_high=0.2, correction=correction_config(),
-              aggregation="token_mean", max_len=None,
-              position_gamma=0.0)    # IW-OPD position weighting (docs/objectives.md)
-    if arg == "kimi_mopd":
-        opts = dict(pg, r_max=5.0, ppo=False)
-    elif arg == "glm_cross_stage":
-        opts = dict(pg, kl_coef=1.0, task_reward_weight=0.0)
-        c.teachers.routing = "domain"
-    elif arg == "deepseek_full_vocab":
-        opts = dict(temperature=1.0, implementation="auto")
-        c.teachers.routing = "domain"
-    else:
+    if arg not in ("kimi_mopd", "glm_cross_stage", "deepseek_full_vocab"):
         raise KeyError(f"presets are kimi_mopd, glm_cross_stage, deepseek_full_vocab; got {arg!r}")
-    c.objective = ml_collections.ConfigDict(dict(name=arg, options=ml_collections.ConfigDict(opts)))
+    c.objective = objective(arg)       # every option at its declared default
+    if arg != "kimi_mopd":
+        c.teachers.routing = "domain"
     return c

@@ -17,38 +17,20 @@ Any key can be overridden, e.g. ``--config.optim.lr=1e-3 --config.train.steps=50
 """
 import ml_collections
 
-from _sections import model_config, optim_config
-from opd_jax.sharding import DEFAULT_RULES
+from opd_jax.trainers.config_schema import section
 
 
 def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.model = model_config()
+    c.model = section("model")
     c.tokenizer = "synthetic"            # "synthetic" or a local tokenizer folder
-    c.data = ml_collections.ConfigDict(dict(
-        source="synthetic",              # "synthetic" | "tasks" | "jsonl"
-        path="",                          # JSONL file for source="jsonl"
-        task="addition",                  # built-in synthetic task (source="synthetic")
-        tasks=ml_collections.ConfigDict(dict(   # source="tasks": envs task demos (cold start)
-            families={"general": "arithmetic"}, efforts=("low", "high", "max"),
-            difficulty=1, size=2000, seed=0,
-            cells=())),   # non-empty: only these "domain/effort" cells of the grid
-        corpus=ml_collections.ConfigDict(dict(  # source="corpus": the base model's corpus
-            per_cell=300, testbed_per_cell=1200)),
-        num_examples=2000,
-        max_digits=2,
-        seq_len=32,
-        batch_size=32,
-        packing=False,
-        seed=0,
-    ))
-    c.optim = optim_config()
-    c.train = ml_collections.ConfigDict(dict(
-        steps=200, log_every=10, ckpt_every=50, keep_checkpoints=2,
-        max_bad_steps=0,                 # >0: skip (and count) up to N non-finite steps
-    ))
-    c.mesh = ml_collections.ConfigDict(dict(shape=(-1, 1, 1), rules=DEFAULT_RULES))
+    # source: "synthetic" (data.task) | "tasks" (data.tasks: task demos, the cold start) |
+    # "corpus" (data.corpus: the base model's corpus) | "jsonl" (data.path)
+    c.data = section("data")
+    c.optim = section("optim")
+    c.train = section("train")
+    c.mesh = section("mesh")
 
     if arg == "tiny":
         pass

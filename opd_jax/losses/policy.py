@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from opd_jax.losses import _checks
 from opd_jax.losses.aggregation import (aggregate, masked_frac, masked_max, masked_mean,
                                         masked_min, sanitize)
+from opd_jax.schema import Choice, Float, Seq, check_options, option
 
 CORRECTIONS = (None, "icepop", "tis")
 ICEPOP_NORMALIZERS = ("all", "kept")
@@ -81,18 +82,19 @@ class Correction:
     ``Correction.of("tis")``, ``Correction.of(None)`` and ``Correction.of({"kind": ...})``
     build one from a config value.
     """
-    kind: str | None = "icepop"
-    icepop_bounds: tuple[float, float] = (0.5, 5.0)
-    icepop_normalizer: str = "all"
-    tis_cap: float = 2.0
+    # Each field declares its default, type and range (the config schema's, opd_jax.schema).
+    kind: str | None = option(Choice("icepop", ("icepop", "tis", "none", "None"),
+                                     optional=True, hint="None: no correction"))
+    icepop_bounds: tuple[float, float] = option(Seq((0.5, 5.0), hint="(alpha, beta)"))
+    icepop_normalizer: str = option(Choice("all", ICEPOP_NORMALIZERS))
+    tis_cap: float = option(Float(2.0, lo=0, lo_open=True, allow_inf=True, hint="inf: no cap"))
 
     def __post_init__(self):
         if self.kind in ("none", "None"):     # a config override: --config...kind=None
             object.__setattr__(self, "kind", None)
         if not isinstance(self.icepop_bounds, tuple):
             object.__setattr__(self, "icepop_bounds", tuple(self.icepop_bounds))
-        _checks.check_choice("correction", self.kind, CORRECTIONS)
-        _checks.check_choice("icepop_normalizer", self.icepop_normalizer, ICEPOP_NORMALIZERS)
+        check_options(self, "correction.")
         if self.kind == "icepop":
             if len(self.icepop_bounds) != 2:
                 raise ValueError(f"icepop_bounds={self.icepop_bounds!r}, expected (alpha, beta)")
@@ -102,8 +104,6 @@ class Correction:
             a, b = _checks.concrete(lo), _checks.concrete(hi)
             if a is not None and b is not None and not float(a) < float(b):
                 raise ValueError(f"icepop_bounds={self.icepop_bounds}: need alpha < beta")
-        if self.kind == "tis":
-            _checks.check_scalar("tis_cap", self.tis_cap, lo=0.0, lo_open=True)
 
     @classmethod
     def of(cls, value) -> Correction:

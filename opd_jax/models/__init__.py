@@ -5,12 +5,13 @@ from opd_jax.models.hf import config_from_hf, config_to_hf, load_pretrained, sav
 from opd_jax.models.ref import ModelRef, check_tokenizer, model_bytes, resolve_tokenizer
 from opd_jax.models.tokenizers import (bos_ids, build_qwen_tokenizer, build_tokenizer,
                                        check_tokenizer_fits, load_tokenizer,
-                                       synthetic_tokenizer, tokenizer_fingerprint)
+                                       synthetic_tokenizer, tokenizer_fingerprint,
+                                       tokenizer_meta)
 from opd_jax.models.transformer import KVCache, Transformer
 
 __all__ = [
     "ModelConfig", "ModelRef", "Transformer", "KVCache", "load_pretrained", "save_pretrained",
     "config_from_hf", "config_to_hf", "load_tokenizer", "synthetic_tokenizer",
     "bos_ids", "build_qwen_tokenizer", "build_tokenizer", "check_tokenizer", "check_tokenizer_fits",
-    "model_bytes", "resolve_tokenizer", "tokenizer_fingerprint",
+    "model_bytes", "resolve_tokenizer", "tokenizer_fingerprint", "tokenizer_meta",
 ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from opd_jax.models.gguf_io import file_sha256
+from opd_jax.models.identity import file_sha256
 
 PREFIX = "builtin:"
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")

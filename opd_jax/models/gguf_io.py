@@ -17,7 +17,6 @@ builds the fast tokenizer (vocabulary, merges, special tokens, chat template).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,11 +24,12 @@ import tempfile
 
 import numpy as np
 
+from opd_jax.models.identity import file_sha256, write_identity
 from opd_jax.models.safetensors_io import write_folder
 
 ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 QK = 32     # elements per block of the 8- and 4-bit types
-CONVERTER = 1   # bumped when the conversion's output changes: cached folders are keyed by it
+CONVERTER = 2   # bumped when the conversion's output changes: cached folders are keyed by it
 
 # llama.cpp tensor names -> HF names: blk.<i>.<key>.<weight|bias> -> model.layers.<i>.<value>
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -193,6 +193,7 @@ def convert_gguf(path, out_dir) -> str:
             if template and not getattr(tok, "chat_template", None):
                 tok.chat_template = template
             tok.save_pretrained(tmp)
+        write_identity(tmp)     # content hashes (weights, config and tokenizer files)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)
         os.replace(tmp, out_dir)
@@ -200,26 +201,6 @@ def convert_gguf(path, out_dir) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-_SHA: dict[tuple, str] = {}
-
-
-def file_sha256(path) -> str:
-    """The file's sha256, hashed once per process for an unchanged file (size, mtime)."""
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if key not in _SHA:
-        _SHA[key] = _hash(path)
-    return _SHA[key]
-
-
-def _hash(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def cache_root() -> str:

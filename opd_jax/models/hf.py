@@ -25,6 +25,7 @@ from opd_jax import sharding as sh
 from opd_jax.models.builtin import resolve_model_path
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.gguf_io import gguf_folder, is_gguf
+from opd_jax.models.identity import read_json, verify_identity, write_identity
 from opd_jax.models.rope import check_rope_scaling
 from opd_jax.models.safetensors_io import SafetensorsFolder, write_folder
 from opd_jax.models.transformer import Transformer
@@ -204,12 +205,7 @@ def read_config(path) -> ModelConfig:
     file = os.path.join(os.fspath(path), "config.json")
     if not os.path.exists(file):
         raise FileNotFoundError(f"no config.json in {os.fspath(path)}")
-    try:
-        with open(file, encoding="utf-8") as f:
-            hf = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e}); expected a Hugging Face "
-                         f"config.json") from None
+    hf = read_json(file, "a Hugging Face config.json")
     try:
         return config_from_hf(hf)
     except (KeyError, TypeError, ValueError) as e:
@@ -231,6 +227,7 @@ def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None
     path = resolve_model_path(os.fspath(path))   # builtin:NAME -> its folder or file
     if is_gguf(path):         # a GGUF file: its HF folder, converted once into the cache
         path = gguf_folder(path)
+    verify_identity(path)   # the bytes recorded when it was written (exports, the base)
     cfg = read_config(path)
     pd = cfg.param_dtype if param_dtype is None else jnp.dtype(param_dtype).name
     cfg = cfg.replace(param_dtype=pd, dtype=pd if dtype is None else jnp.dtype(dtype).name,
@@ -262,8 +259,11 @@ def load_pretrained(path, *, dtype=None, param_dtype=None, mesh=None, rules=None
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = None) -> None:
-    """Write config.json + safetensors (sharded with an index past max_shard_bytes).
+def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = None,
+                    tokenizer: dict | None = None) -> None:
+    """Write config.json + safetensors (sharded with an index past max_shard_bytes) and
+    identity.json: their sha256 and `tokenizer` (``{"spec", "fingerprint"}``, the
+    tokenizer the model was trained with; `models.identity`).
 
     Tensors keep the param dtype. Refuses a folder that already holds a model.
     """
@@ -284,6 +284,7 @@ def save_pretrained(model: Transformer, path, *, max_shard_bytes: int | None = N
     write_folder(path, {k: tensors[k] for k in order}, max_shard_bytes)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2)
+    write_identity(path, tokenizer)
 
 
 def _natural_key(name: str):

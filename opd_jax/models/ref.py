@@ -25,10 +25,11 @@ from flax import nnx
 
 from opd_jax import checkpoint as ckpt_lib
 from opd_jax import sharding as sh
-from opd_jax.models.builtin import ASSETS, resolve_model_path
+from opd_jax.models.builtin import resolve_model_path
 from opd_jax.models.config import ModelConfig
 from opd_jax.models.gguf_io import gguf_hf_config, is_gguf
 from opd_jax.models.hf import config_from_hf, load_pretrained, read_config
+from opd_jax.models.identity import read_identity
 from opd_jax.models.tokenizers import build_tokenizer, load_tokenizer, tokenizer_fingerprint
 from opd_jax.models.transformer import Transformer
 
@@ -74,12 +75,14 @@ class ModelRef:
 
     def tokenizer_identity(self) -> tuple[str, str] | None:
         """(description, fingerprint) of the tokenizer this checkpoint was trained with, or
-        None when it records none (an HF folder without tokenizer files)."""
+        None when it records none (an HF folder without identity.json or tokenizer files)."""
         if self.kind == "gguf":
             return self.path, tokenizer_fingerprint(load_tokenizer(self.path))
         if self.kind == "hf":
-            if not any(os.path.isfile(os.path.join(self.path, f))
-                       for f in ("tokenizer.json", "tokenizer_config.json")):
+            recorded = (read_identity(self.path) or {}).get("tokenizer")
+            if recorded:          # identity.json: the tokenizer it was trained with
+                return recorded["spec"], recorded["fingerprint"]
+            if not _has_tokenizer_files(self.path):
                 return None
             return self.path, tokenizer_fingerprint(load_tokenizer(self.path))
         step_dir = ckpt_lib.latest_step_dir(self.path)
@@ -99,16 +102,15 @@ class ModelRef:
     def tokenizer_spec(self) -> str | None:
         """The tokenizer this checkpoint brings, as a run's ``tokenizer`` value: its own
         file or folder (a GGUF file; an HF folder with tokenizer files), the spec an opd_jax
-        run recorded, "synthetic" for the shipped base; None when it names none."""
+        run recorded, the one an HF folder's identity.json records ("synthetic" for the shipped
+        base); None when it names none."""
         if self.kind == "gguf":
             return self.path
         if self.kind == "hf":
-            if any(os.path.isfile(os.path.join(self.path, f))
-                   for f in ("tokenizer.json", "tokenizer_config.json")):
+            if _has_tokenizer_files(self.path):
                 return self.path
-            base = os.path.join(ASSETS, "base")
-            return "synthetic" if os.path.realpath(self.path) == os.path.realpath(base) \
-                else None
+            recorded = (read_identity(self.path) or {}).get("tokenizer")
+            return recorded["spec"] if recorded else None
         ident = self.tokenizer_identity()
         return None if ident is None else ident[0]
 
@@ -131,6 +133,11 @@ class ModelRef:
         params = ckpt_lib.restore_params(ckpt_lib.latest_step_dir(self.path), params,
                                          shardings)
         return nnx.merge(graphdef, params, rest)
+
+
+def _has_tokenizer_files(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, f))
+               for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def check_tokenizer(ref: ModelRef, tokenizer, tokenizer_spec: str, *, what: str) -> None:

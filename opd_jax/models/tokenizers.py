@@ -110,6 +110,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
+def tokenizer_meta(spec: str, tokenizer) -> dict:
+    """A tokenizer's identity as every checkpoint records it: ``{"spec", "fingerprint"}``
+    (Orbax meta, HF folders' identity.json)."""
+    return {"spec": str(spec), "fingerprint": tokenizer_fingerprint(tokenizer)}
+
+
 def synthetic_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """Char-level tokenizer: ids 0-15 the specials above, then chr(32..126), then "\\n".
 

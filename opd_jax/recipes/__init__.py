@@ -19,6 +19,7 @@ from opd_jax.config import PACKAGED_CONFIGS, load_config
 from opd_jax.models import build_tokenizer
 from opd_jax.recipes import report as rp
 from opd_jax.recipes.pipeline import check_finished, check_stages, run_stages
+from opd_jax.trainers.config_schema import validate_experiment
 
 RECIPES = ("kimi_k3", "glm", "deepseek_v4", "real_smollm2")
 
@@ -50,6 +51,7 @@ def run_experiment(c, workdir: str, *, progress: bool = True, command: str | Non
 
     command: how this was invoked, for the results' provenance (default: this process's
     argv)."""
+    validate_experiment(c)      # its own values; each stage's below, before any write
     mod = recipe_module(c.recipe)
     seeds = tuple(int(s) for s in c.seeds)
     if not seeds:

@@ -32,7 +32,7 @@ import ml_collections
 
 from opd_jax.models import ModelRef, save_pretrained
 from opd_jax.teachers import merge_models
-from opd_jax.trainers import run_policy, run_sft
+from opd_jax.trainers import config_schema, run_policy, run_sft
 
 log = logging.getLogger(__name__)
 KINDS = ("sft", "grpo", "opd", "merge")
@@ -148,9 +148,12 @@ def check_same_stage(stage: Stage, record: dict, workdir: str) -> None:
 
 
 def check_stages(stages: Sequence[Stage]) -> None:
-    """Names are unique and every reference points to an earlier stage (before any work)."""
+    """Names are unique, every reference points to an earlier stage and every stage's config
+    holds to the schema (`schema.validate`), before any work or write."""
     seen: set[str] = set()
     for s in stages:
+        config_schema.validate(s.config, "merge" if s.kind == "merge" else None,
+                        where=f"stage {s.name!r}")
         if s.name in seen:
             raise ValueError(f"stage name {s.name!r} appears twice")
         for ref in ([s.init_from] if s.init_from else []) + list(s.teachers.values()):
@@ -203,15 +206,36 @@ def run_stage(stage: Stage, workdir: str, *, progress: bool = True) -> dict:
 
 def _merge(stage: Stage, cfg, workdir: str, out_dir: str) -> dict:
     keys = sorted(stage.teachers)
-    models = [ModelRef(stage_dir(workdir, stage.teachers[k])).load() for k in keys]
+    refs = [ModelRef(stage_dir(workdir, stage.teachers[k])) for k in keys]
     base_path = stage_dir(workdir, stage.init_from) if stage.init_from else cfg.get("base")
-    base = ModelRef(base_path).load() if base_path else None
+    base_ref = ModelRef(base_path) if base_path else None
+    tokenizer = merge_tokenizer([*refs, *([base_ref] if base_ref else [])], stage.name)
+    models = [r.load() for r in refs]
+    base = base_ref.load() if base_ref else None
     weights = [cfg.weights[k] for k in keys] if cfg.get("weights") else None
     merged = merge_models(models, weights=weights, method=cfg.method, base=base,
                           scale=cfg.get("scale", 1.0))
     os.makedirs(out_dir, exist_ok=True)
-    save_pretrained(merged, out_dir)   # an HF folder: evaluated and loaded like any teacher
+    # An HF folder (evaluated and loaded like any teacher) recording the models' tokenizer.
+    save_pretrained(merged, out_dir, tokenizer=tokenizer)
     return {"optimizer_steps": 0, "iterations": 0, "merged": keys}
+
+
+def merge_tokenizer(refs: Sequence[ModelRef], name: str) -> dict | None:
+    """The one tokenizer the models of a merge were trained with (``{"spec",
+    "fingerprint"}``, None when none records one); a clear error when they differ: their
+    token ids would mean other text, so averaging their rows is meaningless."""
+    seen = {}
+    for ref in refs:
+        ident = ref.tokenizer_identity()
+        if ident is not None:
+            seen.setdefault(ident[1], (ident[0], ref.path))
+    if len(seen) > 1:
+        listed = "; ".join(f"{path} ({spec!r}, fingerprint {fp})"
+                           for fp, (spec, path) in seen.items())
+        raise ValueError(f"merge stage {name!r}: its models were trained with different "
+                         f"tokenizers: {listed}; expected one tokenizer")
+    return next(({"spec": spec, "fingerprint": fp} for fp, (spec, _) in seen.items()), None)
 
 
 def check_finished(stages: Sequence[Stage], workdir: str) -> None:

@@ -2,7 +2,6 @@
 and the checks every trainer runs on its config before any work (`check_config`)."""
 from __future__ import annotations
 
-import math
 import warnings
 
 import ml_collections
@@ -16,8 +15,12 @@ from opd_jax.data.sft import make_sft_dataset, read_jsonl, scan_examples
 from opd_jax.data.synthetic import synthetic_examples
 from opd_jax.models import (ModelConfig, ModelRef, Transformer, build_tokenizer,
                             check_tokenizer, check_tokenizer_fits, load_pretrained,
-                            resolve_tokenizer, tokenizer_fingerprint)
+                            resolve_tokenizer)
+from opd_jax.schema import ConfigError
+from opd_jax.trainers import config_schema
+from opd_jax.trainers.config_schema import ARCHITECTURE_KEYS
 from opd_jax.trainers.judge import check_judge
+from opd_jax.trainers.memory import check_memory
 
 
 def model_config_from(m: ml_collections.ConfigDict):
@@ -49,13 +52,16 @@ def overlong_max_len(cfg: ml_collections.ConfigDict) -> int:
 
 
 def setup(cfg: ml_collections.ConfigDict):
-    """(mesh, rules, tokenizer, model_config) of a run, checked without touching weights."""
+    """(mesh, rules, tokenizer, model_config) of a run, checked without touching weights
+    (every value against the schema first)."""
+    config_schema.validate(cfg)
     mesh = sh.make_mesh(tuple(cfg.mesh.shape))
     rules = tuple(tuple(r) for r in cfg.mesh.rules)
     spec = tokenizer_spec(cfg)
     tokenizer = build_tokenizer(spec)
     model_config = planned_model_config(cfg.model)
     check_config(cfg, model_config)
+    check_memory(cfg, model_config, sh.batch_shards(mesh, rules))   # before any compile
     check_tokenizer_fits(tokenizer, model_config)
     envs.check_chat_template(tokenizer, run_families(cfg))
     if cfg.model.init_from:
@@ -81,99 +87,34 @@ def tokenizer_spec(cfg: ml_collections.ConfigDict) -> str:
     return resolve_tokenizer(cfg.tokenizer, cfg.model.init_from)
 
 
-def tokenizer_meta(spec: str, tokenizer) -> dict:
-    """The tokenizer identity recorded in every checkpoint's meta."""
-    return {"spec": str(spec), "fingerprint": tokenizer_fingerprint(tokenizer)}
-
-
 def _need(cond: bool, key: str, value, expected: str) -> None:
     if not cond:
         raise ValueError(f"{key}={value!r}: expected {expected}")
 
 
 def check_config(cfg: ml_collections.ConfigDict, model_config) -> None:
-    """Numeric ranges and sequence lengths of a trainer config (SFT, GRPO and OPD), checked
-    before anything is built; a warning when RL samples greedily."""
-    lr = cfg.optim.lr
-    _need(isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0, "optim.lr", lr,
-          "a finite number > 0")
-    _need(cfg.optim.grad_accum >= 1, "optim.grad_accum", cfg.optim.grad_accum, "an int >= 1")
-    _need(cfg.optim.warmup_steps >= 0, "optim.warmup_steps", cfg.optim.warmup_steps,
-          "an int >= 0")
-    check_optim(cfg.optim)
-    t = cfg.train
-    for key in ("steps", "ckpt_every", "log_every", "keep_checkpoints"):
-        if key in t:
-            _need(t[key] >= 1, f"train.{key}", t[key], "an int >= 1")
-    _need(t.get("max_bad_steps", 0) >= 0, "train.max_bad_steps", t.get("max_bad_steps"),
-          "an int >= 0 (0: stop at the first non-finite step)")
+    """What relates several values of a trainer config (SFT, GRPO and OPD), checked before
+    anything is built and after each value's own type and range (`schema.validate`, in
+    `setup`): sequence lengths against the model's positions, a batch that divides into
+    accumulation steps; a warning when RL samples greedily."""
     max_pos = model_config.max_position_embeddings
     if "data" in cfg:       # SFT
         d = cfg.data
-        _need(d.batch_size >= 1, "data.batch_size", d.batch_size, "an int >= 1")
-        _need(d.seq_len >= 1, "data.seq_len", d.seq_len, "an int >= 1")
         check_positions(d.seq_len, model_config, "data.seq_len")
         _need(d.batch_size % cfg.optim.grad_accum == 0, "data.batch_size", d.batch_size,
               f"a multiple of optim.grad_accum={cfg.optim.grad_accum}")
     if "rollout" in cfg:    # GRPO / OPD
         r = cfg.rollout
-        for key in ("prompts_per_step", "group_size"):
-            _need(r[key] >= 1, f"rollout.{key}", r[key], "an int >= 1")
-        _need(r.seq_len >= 0, "rollout.seq_len", r.seq_len, "an int >= 0 (0: bucket per batch)")
         if r.seq_len:
             check_positions(r.seq_len, model_config, "rollout.seq_len")
-        check_sampling("rollout.sampling", r.sampling, max_pos)
-        if "eval" in cfg:   # the held-out evaluation: checked now, not after training
-            e = cfg.eval
-            check_sampling("eval.sampling", e.sampling, max_pos)
-            for key in ("n", "batch_size"):
-                _need(e[key] >= 1, f"eval.{key}", e[key], "an int >= 1")
-            _need(e.every >= 0, "eval.every", e.every, "an int >= 0 (0: only at the end)")
+        for name, sp in (("rollout.sampling", r.sampling), ("eval.sampling", cfg.eval.sampling)):
+            _need(sp.max_new_tokens < max_pos, f"{name}.max_new_tokens", sp.max_new_tokens,
+                  f"fewer than model.max_position_embeddings={max_pos}")
         if r.sampling.temperature == 0:
             warnings.warn("rollout.sampling.temperature=0: RL samples greedily, so the "
                           "sampler's log-probs are 0 and IcePop/TIS mask (nearly) every token "
                           "and the gradient vanishes; use a temperature > 0", RuntimeWarning,
                           stacklevel=3)
-
-
-def _real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def check_optim(o: ml_collections.ConfigDict) -> None:
-    """The optimizer's ranges beyond the lr: values outside them train silently wrong (a
-    negative min_lr_ratio turns the cosine tail into gradient ascent; b2 > 1 and a negative
-    weight decay blow up)."""
-    for key, ok, expected in (
-            ("b1", lambda v: 0 <= v < 1, "a number in [0, 1)"),
-            ("b2", lambda v: 0 <= v < 1, "a number in [0, 1)"),
-            ("eps", lambda v: v > 0, "a number > 0"),
-            ("weight_decay", lambda v: v >= 0, "a number >= 0"),
-            ("min_lr_ratio", lambda v: 0 <= v <= 1, "a number in [0, 1] (the cosine "
-                                                    "schedule's floor, a fraction of optim.lr)"),
-            ("grad_clip", lambda v: v >= 0, "a number >= 0 (0: no clipping)")):
-        if key in o:
-            v = o[key]
-            _need(_real(v) and ok(v), f"optim.{key}", v, expected)
-    if "schedule" in o:
-        _need(o.schedule in ("cosine", "constant"), "optim.schedule", o.schedule,
-              "'cosine' or 'constant'")
-
-
-def check_sampling(name: str, sp, max_pos: int) -> None:
-    """A sampling section's ranges (rollout.sampling, eval.sampling)."""
-    _need(sp.max_new_tokens >= 1, f"{name}.max_new_tokens", sp.max_new_tokens,
-          "an int >= 1 (nothing would be sampled, so nothing trained)")
-    _need(sp.max_new_tokens < max_pos, f"{name}.max_new_tokens", sp.max_new_tokens,
-          f"fewer than model.max_position_embeddings={max_pos}")
-    _need(_real(sp.temperature) and sp.temperature >= 0, f"{name}.temperature",
-          sp.temperature, "a number >= 0")
-    _need(sp.max_turns >= 1, f"{name}.max_turns", sp.max_turns, "an int >= 1")
-    if "top_p" in sp:
-        _need(_real(sp.top_p) and 0 < sp.top_p <= 1, f"{name}.top_p", sp.top_p,
-              "a number in (0, 1] (1: off)")
-    if "top_k" in sp:
-        _need(sp.top_k >= 0, f"{name}.top_k", sp.top_k, "an int >= 0 (0: off)")
 
 
 def check_positions(length: int, model_config, what: str) -> None:
@@ -195,10 +136,25 @@ def planned_model_config(m: ml_collections.ConfigDict):
     checkpoint's; the compute dtype and ``remat`` are always the section's."""
     if m.init_from:
         spec = ModelRef(m.init_from)
+        check_init_from_shape(m, spec.model_config())
         config = spec.model_config().replace(dtype=m.dtype, remat=_remat(m))
         # HF weights are cast to param_dtype on load; opd_jax runs keep their own.
         return config.replace(param_dtype=m.param_dtype) if spec.kind != "orbax" else config
     return model_config_from(m)
+
+
+def check_init_from_shape(m: ml_collections.ConfigDict, config) -> None:
+    """Refuse an architecture value `init_from` would ignore: a ``model.`` key set away from
+    its schema default to something other than the checkpoint's own value (the checkpoint's
+    architecture is what gets built; a silently ignored hidden_size trained another model
+    than the config says)."""
+    defaults = config_schema.section("model")
+    for key in ARCHITECTURE_KEYS:
+        if key in m and m[key] != defaults[key] and m[key] != getattr(config, key):
+            raise ConfigError(
+                f"model.{key}={m[key]!r} would be ignored: model.init_from={m.init_from!r} "
+                f"brings its own architecture ({key}={getattr(config, key)!r}); expected "
+                f"{getattr(config, key)!r} or no override")
 
 
 def build_model(m: ml_collections.ConfigDict, mesh: Mesh, rules, *, seed: int) -> nnx.Module:

@@ -25,6 +25,7 @@ import numpy as np
 
 from opd_jax import envs
 from opd_jax.envs import cell_of
+from opd_jax.trainers import config_schema
 from opd_jax.episodes import SamplingConfig, play
 from opd_jax.models import (ModelRef, build_tokenizer, check_tokenizer, check_tokenizer_fits,
                             resolve_tokenizer)
@@ -161,6 +162,7 @@ def write_rows(rows: Sequence[dict], out_dir: str, name: str = "eval") -> tuple[
 
 def evaluate_checkpoint(path: str, cfg, *, out_dir: str | None = None) -> list[dict]:
     """Load an HF folder or an opd_jax workdir and evaluate it as `cfg` (configs/eval.py) says."""
+    config_schema.validate(cfg)        # every value first: nothing is opened for a bad config
     spec = ModelRef(path)
     tok_spec = resolve_tokenizer(cfg.tokenizer, path)
     tokenizer = build_tokenizer(tok_spec)

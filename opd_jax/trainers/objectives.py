@@ -39,10 +39,12 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+import ml_collections
+
 from opd_jax import losses
-from opd_jax.losses._checks import check_choice, check_scalar
-from opd_jax.losses.policy import check_ppo_args
 from opd_jax.rollout.sampling import SamplingParams, process_logits
+from opd_jax.schema import Bool, Choice, Float, Int, check_options, option, option_fields
+from pallas_kernels.common import IMPLEMENTATIONS
 from opd_jax.trainers.needs import TEACHER_KINDS, Needs, PolicyBatch, VocabParallel  # noqa: F401
 
 # The registry: name -> objective class (`register`); `make_objective` builds one.
@@ -74,6 +76,20 @@ def check_needs(name: str, cfg) -> None:
     """`Needs.check` of the registered objective `name` against `cfg`."""
     mixture = [n for n, c in OBJECTIVES.items() if c.needs.mixture]
     needs_of(name).check(name, cfg, mixture)
+
+
+def default_options(name: str, **overrides) -> ml_collections.ConfigDict:
+    """The options section of objective `name` (``objective.options`` of a config): every
+    declared option at its declared default (the mismatch correction as a sub-section),
+    then `overrides`."""
+    cls = OBJECTIVES[name]
+    out = {k: f.default for k, f in option_fields(cls).items()}
+    if "correction" in {f.name for f in dataclasses.fields(cls)}:
+        out["correction"] = dataclasses.asdict(losses.Correction())
+    unknown = sorted(set(overrides) - set(out))
+    if unknown:
+        raise ValueError(f"objective {name!r} has no option(s) {unknown}; options: {sorted(out)}")
+    return ml_collections.ConfigDict(out | overrides)
 
 
 def make_objective(name: str, *, sampling=None, **kwargs) -> Any:
@@ -200,20 +216,25 @@ def per_teacher_metrics(values: dict[str, jax.Array], onehot_BxS, mask_BxT) -> d
     return out
 
 
+# Options more than one objective declares.
+AGGREGATION = Choice("token_mean", losses.AGGREGATIONS)
+MAX_LEN = Int(None, lo=1, optional=True, hint="the max_len aggregation's normalizer")
+
+
 @dataclasses.dataclass(frozen=True)
 class _PolicyOptions:
-    eps_low: float = 0.2
-    eps_high: float = 0.2
+    # Option fields: each declares its default, type and range (the config schema's).
+    eps_low: float = option(Float(0.2, lo=0, hi=1, hi_open=True))
+    eps_high: float = option(Float(0.2, lo=0))
     correction: losses.Correction = losses.Correction()   # IcePop by default
-    aggregation: str = "token_mean"
-    max_len: int | None = None
+    aggregation: str = option(AGGREGATION)
+    max_len: int | None = option(MAX_LEN)
     behaviour: Behaviour = Behaviour()   # set from cfg.rollout.sampling by make_objective
 
     def __post_init__(self):   # option values checked when the objective is built (no work yet)
-        check_ppo_args(self.eps_low, self.eps_high, None)
+        check_options(self)
         # a config value (None, "tis", a {kind, icepop_bounds, ...} section) -> Correction
         object.__setattr__(self, "correction", losses.Correction.of(self.correction))
-        check_choice("aggregation", self.aggregation, losses.AGGREGATIONS)
 
 
 @register
@@ -222,11 +243,7 @@ class GRPO(_PolicyOptions):
     """GRPO / DAPO / Dr.GRPO policy loss with IcePop or TIS (see `losses.grpo_loss`)."""
     name: ClassVar[str] = "grpo"
     needs: ClassVar[Needs] = Needs(min_group_size=2, reference="kl_beta")
-    kl_beta: float = 0.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_scalar("kl_beta", self.kl_beta, lo=0.0)
+    kl_beta: float = option(Float(0.0, lo=0, hint="0: no KL to the reference"))
 
     def __call__(self, model, batch: PolicyBatch, teachers: tuple = ()):
         # old_logp / ref_logp are scored under the same behaviour (`batch_logprobs`).
@@ -243,14 +260,11 @@ class KimiMOPD(_PolicyOptions):
     """Kimi K3 MOPD: routed teacher, r = clip(sg(lp_T - lp), -r_max, r_max) per token."""
     name: ClassVar[str] = "kimi_mopd"
     needs: ClassVar[Needs] = Needs(teacher="logp")
-    r_max: float = 5.0
-    ppo: bool = False            # reuse the batch: PPO ratio/clip, r from lp_old
-    position_gamma: float = 0.0  # IW-OPD position weight 1 + gamma (1 - prefix share)
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_scalar("r_max", self.r_max, lo=0.0, lo_open=True)
-        check_scalar("position_gamma", self.position_gamma, lo=0.0)
+    r_max: float = option(Float(5.0, lo=0, lo_open=True))
+    # reuse the batch: PPO ratio/clip, r from lp_old
+    ppo: bool = option(Bool(False))
+    # IW-OPD position weight 1 + gamma (1 - prefix share)
+    position_gamma: float = option(Float(0.0, lo=0))
 
     def check_config(self, cfg) -> None:
         """Without the PPO ratio a second pass over the batch is off-policy."""
@@ -291,15 +305,11 @@ class GLMCrossStage(_PolicyOptions):
     """GLM cross-stage OPD: A_t = task_adv - kl_coef (lp_old - lp_T) in the PPO surrogate."""
     name: ClassVar[str] = "glm_cross_stage"
     needs: ClassVar[Needs] = Needs(teacher="logp")
-    kl_coef: float = 1.0
-    task_reward_weight: float = 0.0   # > 0 mixes in the task advantage (batch["adv"])
-    position_gamma: float = 0.0       # IW-OPD position weight 1 + gamma (1 - prefix share)
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_scalar("kl_coef", self.kl_coef, lo=0.0)
-        check_scalar("task_reward_weight", self.task_reward_weight, lo=0.0)
-        check_scalar("position_gamma", self.position_gamma, lo=0.0)
+    kl_coef: float = option(Float(1.0, lo=0))
+    # > 0 mixes in the task advantage (batch["adv"])
+    task_reward_weight: float = option(Float(0.0, lo=0))
+    # IW-OPD position weight 1 + gamma (1 - prefix share)
+    position_gamma: float = option(Float(0.0, lo=0))
 
     def __call__(self, model, batch: PolicyBatch, teachers: tuple = ()):
         _, logp_BxT = student_logps(model, batch, self.behaviour)
@@ -340,15 +350,14 @@ class DeepSeekFullVocab:
     name: ClassVar[str] = "deepseek_full_vocab"
     needs: ClassVar[Needs] = Needs(teacher="hidden", mixture=True, old_logp=False,
                                    vocab_parallel=True)
-    temperature: float = 1.0
-    implementation: str = "auto"
-    aggregation: str = "token_mean"
-    max_len: int | None = None
+    temperature: float = option(Float(1.0, lo=0, lo_open=True))
+    implementation: str = option(Choice("auto", IMPLEMENTATIONS))
+    aggregation: str = option(AGGREGATION)
+    max_len: int | None = option(MAX_LEN)
     vocab_parallel: VocabParallel | None = None
 
     def __post_init__(self):
-        check_scalar("temperature", self.temperature, lo=0.0, lo_open=True)
-        check_choice("aggregation", self.aggregation, losses.AGGREGATIONS)
+        check_options(self)
 
     def __call__(self, model, batch: PolicyBatch, teachers: tuple = ()):
         h_BxTxD = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"],

@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 
 from opd_jax import sharding as sh
 from opd_jax.checkpoint import Checkpointer, CheckpointError, WorkdirError, abstract_like
+from opd_jax.models import tokenizer_meta
 from opd_jax.trainers import builders
 from opd_jax.trainers.metrics import DivergenceGuard, MetricsWriter
 from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
@@ -86,9 +87,10 @@ class Run:
         state: the frozen reference of a KL penalty is the initial policy, not the resumed
         one."""
         model_meta = setup.model_config.to_dict()
+        tokenizer = tokenizer_meta(builders.tokenizer_spec(cfg), setup.tokenizer)
         ckpt, commit, changes = open_workdir(workdir, cfg, model_meta,
                                              resume_with_changes=resume_with_changes,
-                                             defer_write=True)
+                                             defer_write=True, tokenizer=tokenizer)
         try:
             model = builders.build_model(cfg.model, setup.mesh, setup.rules, seed=cfg.seed)
             tx = make_optimizer(cfg.optim, optimizer_steps)
@@ -118,9 +120,7 @@ class Run:
         except BaseException:
             ckpt.close()
             raise
-        meta = {"model": model_meta, "kind": kind,
-                "tokenizer": builders.tokenizer_meta(builders.tokenizer_spec(cfg),
-                                                      setup.tokenizer)}
+        meta = {"model": model_meta, "kind": kind, "tokenizer": tokenizer}
         return cls(cfg, workdir, setup, ckpt, iterator, tx, graphdef, state, shardings, start,
                    guard, writer, meta, initial, int(state.step))
 

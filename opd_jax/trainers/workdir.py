@@ -22,13 +22,27 @@ RESUMABLE = ("train.steps", "train.log_every", "train.ckpt_every", "train.keep_c
              "teachers.max_loaded")
 
 
-def check_workdir(workdir: str, model_meta: dict, *, keep: int = 2) -> Checkpointer:
+def check_workdir(workdir: str, model_meta: dict, *, keep: int = 2,
+                  tokenizer: dict | None = None) -> Checkpointer:
     """Refuse a workdir whose checkpoints belong to a different model (before any write).
 
     Every ModelConfig field must match except EXECUTION_FIELDS (``remat``): switching
     gradient checkpointing on or off for a resumed run is allowed (same params, same values;
-    checkpoints written before the option existed have no ``remat`` key)."""
+    checkpoints written before the option existed have no ``remat`` key). `tokenizer` (the
+    run's ``{"spec", "fingerprint"}``) must be the one the checkpoints record: token ids
+    mean text only under their tokenizer, so no flag (not ``--resume_with_changes``)
+    switches it mid-run."""
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=keep)
+    if ckpt.latest_step() is not None and tokenizer is not None:
+        saved = ckpt.read_meta().get("tokenizer")
+        if saved and saved.get("fingerprint") != tokenizer["fingerprint"]:
+            raise WorkdirError(
+                f"workdir {workdir!r} holds a run trained with tokenizer {saved['spec']!r} "
+                f"(fingerprint {saved['fingerprint']}); this config's tokenizer "
+                f"{tokenizer['spec']!r} has fingerprint {tokenizer['fingerprint']}: its token "
+                f"ids mean other text, so the run cannot continue under it (not even with "
+                f"--resume_with_changes); expected tokenizer={saved['spec']!r}, or a new "
+                f"--workdir")
     if ckpt.latest_step() is not None:
         keep = lambda d: {k: v for k, v in (d or {}).items() if k not in EXECUTION_FIELDS}
         saved, want = keep(ckpt.read_meta().get("model")), keep(model_meta)
@@ -70,7 +84,8 @@ def _write_json(path: str, obj) -> None:
 
 
 def open_workdir(workdir: str, cfg: ml_collections.ConfigDict, model_meta: dict, *,
-                 resume_with_changes: bool = False, defer_write: bool = False):
+                 resume_with_changes: bool = False, defer_write: bool = False,
+                 tokenizer: dict | None = None):
     """The run's Checkpointer, holding the workdir lock (released by its ``close()``).
 
     defer_write: return ``(ckpt, commit, changes)`` instead, where ``commit()`` writes
@@ -79,7 +94,7 @@ def open_workdir(workdir: str, cfg: ml_collections.ConfigDict, model_meta: dict,
     state cannot follow) leaves both files as they were.
 
     Before any weights are built: the workdir is a writable folder, no other run holds it,
-    its checkpoints are of this model (`check_workdir`), and a resumed run's config equals
+    its checkpoints are of this model and tokenizer (`check_workdir`), and a resumed run's config equals
     the saved ``config.json`` outside `RESUMABLE` fields. A differing config is refused with
     the diff unless `resume_with_changes`. Any accepted change (resumable ones too) is
     appended to ``config_changes.jsonl`` and ``config.json`` rewritten, so it always holds
@@ -91,7 +106,8 @@ def open_workdir(workdir: str, cfg: ml_collections.ConfigDict, model_meta: dict,
         workdir = prepare_workdir(workdir)
         lock = WorkdirLock(workdir)
     try:
-        ckpt = check_workdir(workdir, model_meta, keep=cfg.train.get("keep_checkpoints", 2))
+        ckpt = check_workdir(workdir, model_meta, keep=cfg.train.get("keep_checkpoints", 2),
+                             tokenizer=tokenizer)
         path = os.path.join(workdir, "config.json")
         latest = ckpt.latest_step()
         changes = {}

@@ -141,11 +141,11 @@ def test_greedy_rl_warns():
     ("--config.optim.min_lr_ratio=1.5", "optim.min_lr_ratio=1.5: expected a number in [0, 1]"),
     ("--config.optim.b1=-0.1", "optim.b1=-0.1: expected a number in [0, 1)"),
     ("--config.optim.b2=1.5", "optim.b2=1.5: expected a number in [0, 1)"),
-    ("--config.optim.weight_decay=-0.01", "optim.weight_decay=-0.01: expected a number >= 0"),
-    ("--config.optim.eps=0.0", "optim.eps=0.0: expected a number > 0"),
-    ("--config.optim.grad_clip=-1.0", "optim.grad_clip=-1.0: expected a number >= 0"),
-    ("--config.optim.schedule=linear", "optim.schedule='linear': expected 'cosine' or "
-                                       "'constant'"),
+    ("--config.optim.weight_decay=-0.01", "optim.weight_decay=-0.01: expected a finite number >= 0"),
+    ("--config.optim.eps=0.0", "optim.eps=0.0: expected a finite number > 0"),
+    ("--config.optim.grad_clip=-1.0", "optim.grad_clip=-1.0: expected a finite number >= 0"),
+    ("--config.optim.schedule=linear", "optim.schedule='linear': expected one of "
+                                       "'cosine', 'constant'"),
 ])
 def test_numeric_ranges_one_line_before_any_work(tmp_path, capsys, override, match):
     workdir = tmp_path / "run"

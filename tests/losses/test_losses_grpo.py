@@ -177,7 +177,7 @@ def test_jit_vmap_grad():
     (dict(old=jnp.zeros((B, T + 1))), "old_logp_BxT has shape"),
     (dict(adv=jnp.zeros((B + 1,))), "adv_B_or_BxT has shape"),
     (dict(correction="icepop", sampler=None), "needs sampler_logp_BxT"),
-    (dict(correction="is"), "correction='is'"),
+    (dict(correction="is"), "correction.kind='is'"),
     (dict(kl_beta=0.1, ref=None), "needs ref_logp_BxT"),
     (dict(eps_low=1.0), "eps_low=1"),
     (dict(eps_high=-0.1), "eps_high=-0.1"),

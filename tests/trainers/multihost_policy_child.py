@@ -37,7 +37,7 @@ def write_teachers(out_dir: str) -> dict[str, str]:
 
     from opd_jax.checkpoint import Checkpointer
     from opd_jax.models import ModelConfig, save_pretrained, synthetic_tokenizer
-    from opd_jax.trainers.builders import tokenizer_meta
+    from opd_jax.models import tokenizer_meta
     from opd_jax.trainers.state import create_state, make_optimizer
     from tests.models.helpers import random_model
 
