@@ -174,7 +174,7 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
 # (``data.tasks.families``, ``student.teachers.paths`` are ones too). Every other section,
 # however few or string-valued its fields (``merge``), is structured.
 FREE_FORM_MAPS = ("tasks.families", "teachers.paths", "teachers.table", "teachers.weights",
-                  "domains", "stage_teachers")
+                  "domains", "stage_teachers", "corpus.dose")
 
 
 def is_free_form(dotted: str) -> bool:

@@ -155,16 +155,17 @@ def main(argv=None) -> int:
         json.dump(state, open(state_path, "w"))
     if args.stage in ("all", "card"):
         t0 = time.time()
+        dose = cfg.data.corpus.dose.to_dict()
         state["examples"] = len(pretraining_corpus(
             per_cell=cfg.data.corpus.per_cell, testbed_per_cell=cfg.data.corpus.testbed_per_cell,
-            seed=cfg.data.seed))
+            seed=cfg.data.seed, dose=dose))
         rows = evaluate_card(args.out, n=args.eval_n)
         card = {
             "n_params": state["n_params"], "model": read_config(args.out).to_dict(),
             "corpus": {"families": corpus_families(), "efforts": list(KNOWN_EFFORTS),
                        "per_cell": cfg.data.corpus.per_cell,
                        "testbed_per_cell": cfg.data.corpus.testbed_per_cell,
-                       "examples": state.get("examples")},
+                       "dose": dose, "examples": state.get("examples")},
             "steps": cfg.train.steps, "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
             "lr": cfg.optim.lr, "train_wall_s": state.get("train_wall_s", float("nan")),
             "machine": "2 CPU cores (shared with other jobs)", "commit": code_commit(),

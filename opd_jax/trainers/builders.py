@@ -177,7 +177,9 @@ def build_sft_dataset(d: ml_collections.ConfigDict, tokenizer):
         examples = task_demo_examples(d.tasks)
     elif d.source == "corpus":
         examples = pretraining_corpus(per_cell=d.corpus.per_cell,
-                                      testbed_per_cell=d.corpus.testbed_per_cell, seed=d.seed)
+                                      testbed_per_cell=d.corpus.testbed_per_cell, seed=d.seed,
+                                      dose=d.corpus.get("dose", {}).to_dict()
+                                      if d.corpus.get("dose") else None)
     elif d.source == "jsonl":
         if not d.path:
             raise ValueError("data.source='jsonl' needs --config.data.path=FILE.jsonl")

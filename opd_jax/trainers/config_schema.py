@@ -150,7 +150,9 @@ SECTIONS["objective"] = dict(name=Str("grpo", hint="a registered objective"),
 SECTIONS["objective.options"] = {}      # per objective: its dataclass's option fields
 
 SECTIONS["data.tasks"] = dict(_TASKS, efforts=Seq(("low", "high", "max")), size=Int(2000, lo=1))
-SECTIONS["data.corpus"] = dict(per_cell=Int(300, lo=1), testbed_per_cell=Int(1200, lo=0))
+SECTIONS["data.corpus"] = dict(
+    per_cell=Int(300, lo=1), testbed_per_cell=Int(1200, lo=0),
+    dose=Map(hint="family -> {difficulty: demos per effort}, instead of the counts above"))
 SECTIONS["data"] = dict(
     source=Choice("synthetic", ("synthetic", "tasks", "corpus", "jsonl")),
     path=Str("", hint="the JSONL file of source='jsonl'"),

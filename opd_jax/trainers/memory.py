@@ -8,9 +8,11 @@ compile for 30 s and die with a raw 15 TB allocation); one within 20% of the mem
 
 What it counts, for one optimizer step's micro-batch per device (SFT: ``batch_size /
 grad_accum / batch devices`` rows of ``data.seq_len``; GRPO/OPD: ``prompts_per_step x
-group_size / minibatches / batch devices`` rows of ``rollout.seq_len``, or, when that is 0
-(bucketed per batch), the sampled tokens ``max_new_tokens x max_turns`` alone: a lower
-bound, so a bucketed run is never refused for prompts it has not seen):
+group_size / minibatches / batch devices`` rows of ``rollout.seq_len``). A policy run with
+``rollout.seq_len=0`` buckets each batch to its longest episode, a length known only once
+sampled (``max_new_tokens x max_turns`` bounds it but real episodes stop far earlier: the
+main job's 2240-token bound would refuse a run whose steps use 100-token rows), so it is
+not estimated here:
 
 * params, gradients (param dtype) and AdamW's two moments (fp32; SGD none), unsharded: a
   bound for FSDP meshes;
@@ -71,10 +73,7 @@ def step_memory(cfg: ml_collections.ConfigDict, model_config, n_batch_devices: i
     else:
         r = cfg.rollout
         rows = max(1, r.prompts_per_step * r.group_size // cfg.rl.minibatches // n_batch_devices)
-        seq = r.seq_len or r.sampling.max_new_tokens * r.sampling.max_turns
-        what = (f"rollout.seq_len={r.seq_len}" if r.seq_len else
-                f"rollout.sampling.max_new_tokens x max_turns = {seq} tokens") + \
-            f" x {rows} rows per device"
+        seq, what = r.seq_len, f"rollout.seq_len={r.seq_len} x {rows} rows per device"
     n_params = m.num_params()
     p = n_params * jnp.dtype(m.param_dtype).itemsize
     opt = 2 * n_params * 4 if cfg.optim.name == "adamw" else 0
@@ -111,10 +110,13 @@ def device_memory() -> tuple[int, str]:
 
 
 def check_memory(cfg: ml_collections.ConfigDict, model_config, n_batch_devices: int,
-                 memory: tuple[int, str] | None = None) -> Estimate:
+                 memory: tuple[int, str] | None = None) -> Estimate | None:
     """Refuse (ConfigError, naming the estimate and its largest part) a step whose estimate
     exceeds the memory; warn above WARN_FRACTION of it. On CPU the fake devices share the
-    host: their estimates add up."""
+    host: their estimates add up. A bucketed policy run (``rollout.seq_len=0``) is not
+    estimated (None)."""
+    if "rollout" in cfg and not cfg.rollout.seq_len:
+        return None
     est = step_memory(cfg, model_config, n_batch_devices)
     limit, where = memory or device_memory()
     shared = jax.default_backend() == "cpu"

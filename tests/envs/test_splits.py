@@ -110,3 +110,27 @@ def test_testbed_scratchpads_grow_with_difficulty_and_bind_the_budgets():
         totals = sum(envs.count_tokens(t.reference["forms"][1 if fam != "tool_chain" else 2])
                      for t in envs.TaskSource(fam, size=50, difficulty=5, split="eval")) / 50
         assert budgets["low"] < totals <= budgets["high"], (fam, totals)
+
+
+def test_a_dose_sets_the_demos_of_its_cells():
+    """Issue 31's dosed corpus: the named (family, difficulty) cells get the dosed count per
+    effort (0: none), every other cell its usual one."""
+    from opd_jax.data.corpus import check_dose
+    plain = pretraining_corpus(per_cell=2, testbed_per_cell=3, efforts=("high",))
+    dosed = pretraining_corpus(per_cell=2, testbed_per_cell=3, efforts=("high",),
+                               dose={"chain": {"3": 0, 4: 1}, "arithmetic": {"5": 4}})
+
+    def count(corpus, needle):
+        return sum(needle in ex["prompt"] for ex in corpus)
+    by_cell = lambda corpus, fam, d: sum(  # noqa: E731
+        1 for t in envs.TaskSource(fam, size=4, difficulty=d, effort="high", seed=0)
+        if envs.render_prompt(t) in {ex["prompt"] for ex in corpus})
+    assert by_cell(plain, "chain", 3) == 3 and by_cell(dosed, "chain", 3) == 0
+    assert by_cell(dosed, "chain", 4) == 1 and by_cell(dosed, "arithmetic", 5) == 4
+    assert len(dosed) == len(plain) - 3 + (1 - 3) + (4 - 2)   # chain d3, d4; arithmetic d5
+    assert count(dosed, "<|high|>") == len(dosed)
+    for bad, match in [({"nope": {"1": 1}}, "family 'nope'"),
+                       ({"chain": {"9": 1}}, "difficulty '9': expected 1..5"),
+                       ({"chain": {"2": -1}}, r"dose\['chain'\]\['2'\]=-1: expected an int")]:
+        with pytest.raises(ValueError, match=match):
+            check_dose(bad)

@@ -66,3 +66,18 @@ def test_the_estimate_is_within_a_factor_two_of_xla(seq_len, batch):
     est = memory.step_memory(cfg, model_config, 1).total
     xla = _xla_step_bytes(cfg, model_config)
     assert 0.5 <= est / xla <= 2.0, (est, xla)
+
+
+def test_policy_runs_are_estimated_at_their_fixed_seq_len_only(tmp_path, capfd):
+    """A bucketed run (rollout.seq_len=0) is not refused on its max_new_tokens x max_turns
+    bound (the main job's teachers: 2240 tokens, real rows ~100); a fixed seq_len is."""
+    from tests.faults.test_inputs import GRPO
+    cfg = load_config(GRPO, ["--config.rollout.sampling.max_new_tokens=224",
+                             "--config.rollout.sampling.max_turns=10"])
+    mesh, rules, _, model_config = builders.setup(cfg)
+    assert memory.check_memory(cfg, model_config, 8, memory=(1, "host memory")) is None
+    assert main(["grpo", "--config", GRPO, "--config.model.max_position_embeddings=1048576",
+                 "--config.rollout.seq_len=1048576", "--workdir", str(tmp_path / "run"),
+                 "--no-progress"]) == 2
+    assert capfd.readouterr().err.startswith("error: rollout.seq_len=1048576 x 4 rows per "
+                                             "device: the training step is estimated at ")
