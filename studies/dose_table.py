@@ -84,6 +84,9 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=128)
     p.add_argument("--seeds", default="0")
     p.add_argument("--out", default="experiments/dose")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the rows of bases already in --out/results.json (same n, seeds "
+                        "and difficulties): the table grows one dose at a time")
     args = p.parse_args(argv)
     bases = {"reference": args.reference}
     doses = {"reference": {}}
@@ -94,14 +97,32 @@ def main(argv=None) -> int:
         bases[name], doses[name] = workdir, run_dose(workdir)
     diffs = tuple(int(d) for d in args.difficulties.split(","))
     seeds = tuple(int(s) for s in args.seeds.split(","))
-    t0, rows = time.time(), []
+    t0, rows, done = time.time(), [], set()
+    old_file = os.path.join(args.out, "results.json")
+    if args.reuse and os.path.isfile(old_file):
+        with open(old_file, encoding="utf-8") as f:
+            old = json.load(f)
+        same = (old["n"], old["seeds"], old.get("difficulties")) == (args.n, list(seeds),
+                                                                     list(diffs))
+        if not same:
+            raise SystemExit(f"--reuse: {old_file} was measured with n={old['n']}, seeds "
+                             f"{old['seeds']}, difficulties {old.get('difficulties')}; "
+                             f"expected n={args.n}, seeds {list(seeds)}, {list(diffs)}")
+        for name in old["bases"]:
+            if name not in bases or bases[name] == old["bases"][name]:
+                rows += [r for r in old["rows"] if r["base"] == name]
+                bases.setdefault(name, old["bases"][name])
+                doses.setdefault(name, old["doses"][name])
+                done.add(name)
     for name, path in bases.items():
+        if name in done:
+            continue
         for domain, fam in CANDIDATES:
             rows += [{**r, "base": name} for r in evaluate_card(
                 path, n=args.n, seeds=seeds, difficulties=diffs, families={domain: fam})]
     result = {"command": " ".join(["python -m studies.dose_table", *sys.argv[1:]]),
               "commit": code_commit(), "wall_s": time.time() - t0, "n": args.n,
-              "seeds": list(seeds), "doses": doses, "bases": bases, "rows": rows,
+              "seeds": list(seeds), "difficulties": list(diffs), "doses": doses, "bases": bases, "rows": rows,
               "table": table_rows(rows)}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:

@@ -175,16 +175,24 @@ class TeacherScores:
     unembeddings: tuple = ()
 
 
-def teacher_fields(scored: dict, weights: list[dict], kind: str) -> TeacherScores:
+def teacher_fields(scored: dict, weights: list[dict], kind: str,
+                   slots: list[str] | None = None, absent: dict | None = None) -> TeacherScores:
     """The `TeacherScores` of a `TeacherScorer` result.
 
-    Slot s is the s-th teacher key in sorted order (stable within an iteration).
+    Slot s is the s-th of `slots` (every teacher the run's routing uses, so the shapes, and
+    the compiled step, do not change with the iteration's mix of teachers), or of the
+    scored keys in sorted order when `slots` is None. A slot whose teacher scored no row
+    of this iteration gets zeros: `absent` gives, for the hidden-state signal, its
+    ``(hidden zeros [B, T, E_s], unembedding [E_s, V])``.
     kind "logp":   teacher_logp [B, T] (each row from its one teacher), teacher_onehot [B, S].
     kind "hidden": teacher_hidden (S arrays [B, T, E_s], zeros on rows a teacher does not
                    score, masked out in the loss), teacher_weights [B, S] (= teacher_onehot),
                    and the S unembeddings [E_s, V] as the third value.
     """
-    order = sorted(scored)
+    order = sorted(scored) if slots is None else list(slots)
+    missing = sorted(set(scored) - set(order))
+    if missing:
+        raise ValueError(f"teachers {missing} scored rows but are not among the slots {order}")
     onehot = np.asarray([[w.get(k, 0.0) for k in order] for w in weights],
                         np.float32)     # [B, S]: one-hot unless routing=mixture
     fields = {"teacher_onehot": onehot}
@@ -194,13 +202,27 @@ def teacher_fields(scored: dict, weights: list[dict], kind: str) -> TeacherScore
             return TeacherScores(order, fields)
         routed_SxB = np.zeros((len(order), len(weights)), bool)
         for s, key in enumerate(order):
-            routed_SxB[s, scored[key][0]] = True
-        vals = tuple(scored[k][1] for k in order)
+            if key in scored:
+                routed_SxB[s, scored[key][0]] = True
+        first = next(iter(scored.values()))[1]
+        vals = tuple(scored[k][1] if k in scored else zeros_like(first, first.shape)
+                     for k in order)
         fields["teacher_logp"] = settle(_rows_from_teachers(vals, _like(routed_SxB, vals[0])))
         return TeacherScores(order, fields)
-    fields["teacher_hidden"] = tuple(scored[k][1] for k in order)
+    absent = absent or {}
+    fields["teacher_hidden"] = tuple(scored[k][1] if k in scored else absent[k][0]
+                                     for k in order)
     fields["teacher_weights"] = onehot
-    return TeacherScores(order, fields, tuple(scored[k][2] for k in order))
+    return TeacherScores(order, fields, tuple(scored[k][2] if k in scored else absent[k][1]
+                                              for k in order))
+
+
+def zeros_like(x, shape) -> jax.Array:
+    """Zeros of `shape` in `x`'s dtype and sharding (placed, not computed: no compile)."""
+    zeros = np.zeros(shape, np.dtype(x.dtype))
+    s = getattr(x, "sharding", None)
+    return sh.put(zeros, s) if isinstance(s, jax.sharding.NamedSharding) else \
+        jnp.asarray(zeros)
 
 
 @jax.jit

@@ -8,6 +8,7 @@ import contextlib
 import functools
 import json
 import os
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -20,11 +21,12 @@ import numpy as np
 from flax import nnx
 
 from opd_jax import losses
+from opd_jax.distributed import settle
 from opd_jax.envs import cell_of
 from opd_jax.episodes import SamplingConfig, build_sequences, play
 from opd_jax.teachers import (TeacherBank, TeacherScorer, TeacherScores, check_routing,
                               in_row_chunks, teacher_fields)
-from opd_jax.teachers.scoring import MODEL_INPUTS
+from opd_jax.teachers.scoring import MODEL_INPUTS, zeros_like
 from opd_jax.trainers import builders
 from opd_jax.trainers.judge import JudgeReward, mix_judge
 from opd_jax.trainers.needs import PolicyBatch
@@ -34,8 +36,13 @@ from opd_jax.trainers.rollout_log import RolloutLog
 
 
 def task_dataset(t: ml_collections.ConfigDict, batch: int) -> grain.IterDataset:
-    """Batches of `batch` train-split tasks, shuffled and repeated (checkpointable)."""
-    return grain.MapDataset.source(builders.train_source(t)).shuffle(seed=t.seed).repeat(None).batch(
+    """Batches of `batch` train-split tasks, shuffled and repeated (checkpointable).
+
+    Repeated a finite number of epochs that no run reaches (grain's endless repeat has
+    length sys.maxsize, and batching it by 1 overflowed: prompts_per_step=1 crashed)."""
+    src = builders.train_source(t)
+    epochs = max(1, (sys.maxsize // 4) // max(1, len(src)))
+    return grain.MapDataset.source(src).shuffle(seed=t.seed).repeat(epochs).batch(
         batch, batch_fn=list).to_iter_dataset()
 
 
@@ -125,6 +132,9 @@ class Teachers:
                                  f"token)")
         used = sorted({k for w in self.cell_weights.values() for k, v in w.items() if v > 0})
         self.bank.open_all(used)  # a corrupt teacher fails now, before any rollout
+        # One slot per teacher the routing uses, every iteration: the batch's teacher
+        # fields keep their shapes, so the train step compiles once whatever the mix.
+        self.slots, self._unembeddings = used, {}
         self.scorer = TeacherScorer(self.bank, setup.tokenizer, needs.teacher,
                                     role=t.prompt_role, chunk_rows=chunk_rows)
 
@@ -138,10 +148,31 @@ class Teachers:
                     if w.get(key, 0) > 0]
             builders.check_positions(max(rows), self.configs[key],
                                      f"episodes scored by teacher {key!r}")
-        scores = teacher_fields(self.scorer(episodes, weights, seqs), weights,
-                                self.needs.teacher)
+        scored = self.scorer(episodes, weights, seqs)
+        scores = teacher_fields(scored, weights, self.needs.teacher, slots=self.slots,
+                                absent=self._absent(scored))
         block(scores.fields)
         return scores, {"teachers_loaded": float(len(self.bank.loaded()))}
+
+    def _absent(self, scored: dict) -> dict:
+        """For the hidden-state signal: (hidden zeros, unembedding) of each slot whose
+        teacher scored no row this iteration (its unembedding kept from its last scoring,
+        or read from the bank once)."""
+        if self.needs.teacher != "hidden":
+            return {}
+        for key, (_, _, w) in scored.items():
+            self._unembeddings[key] = w
+        first = next(iter(scored.values()))[1] if scored else None
+        out = {}
+        for key in self.slots:
+            if key in scored:
+                continue
+            if key not in self._unembeddings:
+                self._unembeddings[key] = settle(self.bank.get(key).unembedding())
+            B, T = (first.shape[:2] if first is not None else (0, 0))
+            out[key] = (zeros_like(first, (B, T, self.configs[key].hidden_size)),
+                        self._unembeddings[key])
+        return out
 
     def save_stats(self, workdir: str) -> None:
         if self.bank is not None and jax.process_index() == 0:
@@ -254,7 +285,7 @@ class OldLogprobs:
 class Updater:
     """The update phase (`rl` section): `ppo_epochs x minibatches` optimizer steps on one
     iteration's batch, rows shuffled per epoch (seeded by (seed, iteration)); one compile
-    per number of teacher slots. Teacher unembeddings enter the step as the objective's
+    (the teacher slots are fixed for the run: `Teachers.slots`). Teacher unembeddings enter the step as the objective's
     Needs say (sharded over V for a vocab-parallel objective). The divergence check reads
     each step's metrics one step late (`Run.check_late`), so the host never waits on the
     step it just dispatched."""
@@ -295,10 +326,14 @@ class Updater:
 
 def mean_step_metrics(steps: list[dict]) -> dict:
     """An iteration's step metrics: the mean over its optimizer steps (min / max for
-    `*_min` / `*_max`), plus loss/last_minibatch."""
+    `*_min` / `*_max`), plus loss/last_minibatch. A per-teacher metric counts only the
+    steps whose minibatch held rows of that teacher (NaN elsewhere); a teacher with none in
+    the whole iteration is left out."""
     out = {}
     for k in steps[0]:
-        vals = [m[k] for m in steps]
+        vals = [m[k] for m in steps if not np.isnan(m[k])]
+        if not vals:
+            continue
         fn = min if k.endswith("_min") else max if k.endswith("_max") else None
         out[k] = float(fn(vals)) if fn else float(np.mean(vals))
     out["loss/last_minibatch"] = float(steps[-1]["loss"])
@@ -307,12 +342,16 @@ def mean_step_metrics(steps: list[dict]) -> dict:
 
 def named_metrics(metrics: dict, order: list[str]) -> dict[str, float]:
     """A step's metrics as floats; a per-teacher array "teacher/kl" [S] becomes one metric
-    per teacher, "teacher/<key of slot s>/kl" (slot order: the iteration's `order`)."""
+    per teacher, "teacher/<key of slot s>/kl" (slot order: the run's teacher slots), NaN
+    for a slot that scored no token of this minibatch ("teacher/tokens" 0)."""
     out = {}
+    tokens = np.asarray(metrics.get(f"{PER_TEACHER}tokens", np.ones(len(order))))
     for k, v in metrics.items():
         v = np.asarray(v)
         if k.startswith(PER_TEACHER) and v.ndim == 1:
-            out |= {f"{PER_TEACHER}{order[s]}/{k[len(PER_TEACHER):]}": float(x)
+            name = k[len(PER_TEACHER):]
+            out |= {f"{PER_TEACHER}{order[s]}/{name}":
+                    float(x) if name == "tokens" or tokens[s] > 0 else float("nan")
                     for s, x in enumerate(v)}
         else:
             out[k] = float(v)

@@ -1,0 +1,58 @@
+"""Issue 33 (part): an OPD iteration's train step compiles once, whatever mix of teachers
+an iteration routes to. The teacher fields have one slot per teacher the routing uses
+(`Teachers.slots`), zeros for a teacher with no row this iteration; the glm and deepseek
+objectives compiled again mid-run when the mix changed (`teacher_onehot [B, S]`, S the
+teachers present)."""
+import os
+
+import numpy as np
+import pytest
+
+from opd_jax.config import load_config
+from opd_jax.recipes.pipeline import CompileClock
+from opd_jax.trainers import phases
+from opd_jax.trainers.run_policy import train_policy
+from tests.trainers.test_policy_smoke import ROOT, SMALL, _teacher
+
+PRESETS = {"grpo": "grpo.py:tiny", "kimi_mopd": "opd.py:kimi_mopd",
+           "glm_cross_stage": "opd.py:glm_cross_stage",
+           "deepseek_full_vocab": "opd.py:deepseek_full_vocab"}
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("teachers")
+    return {"general": _teacher(root / "general"), "agent": _teacher(root / "agent")}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_train_step_compiles_once_whatever_the_teacher_mix(name, teachers, tmp_path,
+                                                               monkeypatch):
+    # Two prompts per iteration (4 samples each) from two domains: an iteration routes to
+    # one teacher or to both, so the number of teachers present changes; rows of a fixed
+    # length (the shapes that may change are the teacher fields').
+    extra = ["--config.rollout.prompts_per_step=2", "--config.rollout.group_size=4",
+             "--config.rollout.seq_len=64", "--config.rollout.sampling.max_turns=1",
+             "--config.train.steps=6", "--config.eval.every=0", "--config.eval.n=1",
+             "--config.tasks.families={'general': 'arithmetic', 'agent': 'tool_lookup'}"]
+    if name != "grpo":
+        extra += ["--config.teachers.routing=domain",
+                  f"--config.teachers.paths={teachers!r}"]
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs", PRESETS[name]), SMALL + extra)
+    compiles, mixes = [], []
+    real = phases.Updater.__call__
+
+    def counted(self, batch, scores, it):
+        if "teacher_onehot" in scores.fields:
+            mixes.append(tuple(np.asarray(scores.fields["teacher_onehot"]).sum(0) > 0))
+        with CompileClock() as clock:
+            out = real(self, batch, scores, it)
+        compiles.append(clock.compiles)
+        return out
+    monkeypatch.setattr(phases.Updater, "__call__", counted)
+    train_policy(cfg, str(tmp_path / "run"), progress=False)
+    assert len(compiles) == 6 and compiles[0] >= 1
+    assert compiles[1:] == [0] * 5, f"{name}: compiles per iteration {compiles}"
+    if name != "grpo":
+        present = {sum(m) for m in mixes}
+        assert present == {1, 2}, f"{name}: the number of teachers never changed: {mixes}"
