@@ -149,3 +149,26 @@ def test_convert_of_a_missing_file_says_so(tmp_path, capsys):
     assert main(["convert", "--from", str(tmp_path / "none.gguf"), "--to",
                  str(tmp_path / "out")]) == 2
     assert "none.gguf': no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, msg", [
+    ("--config.teachers.prompt_role='assistant'",
+     "teachers.prompt_role='assistant': expected one of 'student', 'teacher'"),
+    ("--config.objective.options.correction.icepop_bounds=(5.0, 0.5)",
+     "objective 'kimi_mopd', --config.objective.options: icepop_bounds=(5.0, 0.5): need "
+     "alpha < beta"),
+    ("--config.objective.options.eps_low=1.0",
+     "objective.options.eps_low=1.0: expected a number in [0, 1)"),
+    ("--config.teachers.routing='round_robin'", "teachers.routing='round_robin': expected one of"),
+])
+def test_objective_and_teacher_options_fail_before_any_write(tmp_path, capsys, override, msg):
+    """The issue's list: objective option values (correction, aggregation, r_max, icepop
+    bounds, eps, kl_beta, role) were checked only after the first rollout, with config.json
+    already written."""
+    workdir = tmp_path / "run"
+    argv = ["opd", "--config", os.path.join(CONFIGS, "opd.py:kimi_mopd"), override,
+            "--workdir", str(workdir), "--no-progress"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {msg}") and err.count("\n") == 1, err
+    assert not workdir.exists()
