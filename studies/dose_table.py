@@ -58,7 +58,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# Dose table (issue 31)\n", f"Command: `{result['command']}`; commit "
+    lines = ["# Dose table (issue 31)\n", f"Command: `{result['command']}`; commit "
              f"{result['commit']}; {result['wall_s'] / 60:.1f} minutes; eval split, greedy, "
              f"{result['n']} problems per cell and seed, seeds {result['seeds']}.\n"]
     for name, dose in result["doses"].items():
