@@ -162,14 +162,14 @@ class Teachers:
             return {}
         for key, (_, _, w) in scored.items():
             self._unembeddings[key] = w
-        first = next(iter(scored.values()))[1] if scored else None
+        first = next(iter(scored.values()))[1]     # every row is routed to some teacher
+        B, T = first.shape[:2]
         out = {}
         for key in self.slots:
             if key in scored:
                 continue
             if key not in self._unembeddings:
                 self._unembeddings[key] = settle(self.bank.get(key).unembedding())
-            B, T = (first.shape[:2] if first is not None else (0, 0))
             out[key] = (zeros_like(first, (B, T, self.configs[key].hidden_size)),
                         self._unembeddings[key])
         return out
@@ -285,10 +285,10 @@ class OldLogprobs:
 class Updater:
     """The update phase (`rl` section): `ppo_epochs x minibatches` optimizer steps on one
     iteration's batch, rows shuffled per epoch (seeded by (seed, iteration)); one compile
-    (the teacher slots are fixed for the run: `Teachers.slots`). Teacher unembeddings enter the step as the objective's
-    Needs say (sharded over V for a vocab-parallel objective). The divergence check reads
-    each step's metrics one step late (`Run.check_late`), so the host never waits on the
-    step it just dispatched."""
+    (the teacher slots are fixed for the run: `Teachers.slots`). Teacher unembeddings
+    enter the step as the objective's Needs say (sharded over V for a vocab-parallel
+    objective). The divergence check reads each step's metrics one step late
+    (`Run.check_late`), so the host never waits on the step it just dispatched."""
 
     def __init__(self, run, objective, rows: int):
         self.run, self.objective, self.rows = run, objective, rows
@@ -331,7 +331,8 @@ def mean_step_metrics(steps: list[dict]) -> dict:
     the whole iteration is left out."""
     out = {}
     for k in steps[0]:
-        vals = [m[k] for m in steps if not np.isnan(m[k])]
+        vals = [m[k] for m in steps
+                if not (k.startswith(PER_TEACHER) and np.isnan(m[k]))]   # a loss stays NaN
         if not vals:
             continue
         fn = min if k.endswith("_min") else max if k.endswith("_max") else None
