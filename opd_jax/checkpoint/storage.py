@@ -36,8 +36,10 @@ import jax
 NO_SPACE = ("No space left on device", "os_error_code='28'", "ENOSPC")
 
 
-def _fmt(n: float) -> str:
-    for unit, size in (("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+def format_bytes(n: float) -> str:
+    """Bytes for a message: "195.3 KiB", "33.4 GiB", "2.0 TiB"."""
+    for unit, size in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2),
+                       ("KiB", 1024)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{int(n)} B"
@@ -59,8 +61,8 @@ def check_space(directory: str, step: int, need: int, kept: list[int]) -> None:
     free = shutil.disk_usage(directory).free
     if free < need + (1 << 20):
         raise OSError(errno.ENOSPC, f"writing checkpoint {step} under {directory}: no space "
-                                    f"left: it needs {_fmt(need)} and the disk has "
-                                    f"{_fmt(free)} free; the earlier checkpoints {kept} are "
+                                    f"left: it needs {format_bytes(need)} and the disk has "
+                                    f"{format_bytes(free)} free; the earlier checkpoints {kept} are "
                                     f"kept. Free some space (or use another --workdir) and "
                                     f"re-run to resume", directory)
 

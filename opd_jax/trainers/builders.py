@@ -148,9 +148,9 @@ def check_init_from_shape(m: ml_collections.ConfigDict, config) -> None:
     its schema default to something other than the checkpoint's own value (the checkpoint's
     architecture is what gets built; a silently ignored hidden_size trained another model
     than the config says)."""
-    defaults = config_schema.section("model")
+    defaults = config_schema.SECTIONS["model"]
     for key in ARCHITECTURE_KEYS:
-        if key in m and m[key] != defaults[key] and m[key] != getattr(config, key):
+        if key in m and m[key] != defaults[key].default and m[key] != getattr(config, key):
             raise ConfigError(
                 f"model.{key}={m[key]!r} would be ignored: model.init_from={m.init_from!r} "
                 f"brings its own architecture ({key}={getattr(config, key)!r}); expected "

@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from opd_jax.checkpoint.storage import format_bytes
 from opd_jax.schema import ConfigError
 
-GIB = 1024 ** 3
 WARN_FRACTION = 0.8      # an estimate above 80% of the memory (within 20% of it) warns
 
 
@@ -54,13 +54,6 @@ class Estimate:
     @property
     def total(self) -> int:
         return sum(self.parts.values())
-
-
-def _fmt(n: float) -> str:
-    for unit, size in (("TiB", 1024 ** 4), ("GiB", GIB), ("MiB", 1024 ** 2)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n / 1024:.1f} KiB"
 
 
 def step_memory(cfg: ml_collections.ConfigDict, model_config, n_batch_devices: int) -> Estimate:
@@ -122,10 +115,10 @@ def check_memory(cfg: ml_collections.ConfigDict, model_config, n_batch_devices: 
     shared = jax.default_backend() == "cpu"
     need = est.total * (jax.local_device_count() if shared else 1)
     big = max(est.parts, key=est.parts.get)
-    text = (f"{est.what}: the training step is estimated at {_fmt(need)}"
+    text = (f"{est.what}: the training step is estimated at {format_bytes(need)}"
             f"{f' over {jax.local_device_count()} CPU devices' if shared else ' per device'} "
-            f"({big} {_fmt(est.parts[big] * (jax.local_device_count() if shared else 1))})"
-            f", {{}} the {_fmt(limit)} of {where}")
+            f"({big} {format_bytes(est.parts[big] * (jax.local_device_count() if shared else 1))})"
+            f", {{}} the {format_bytes(limit)} of {where}")
     if need > limit:
         raise ConfigError(text.format("more than") + "; expected a shorter sequence or "
                                  "fewer rows per device (or model.remat='layer')")
