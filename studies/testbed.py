@@ -6,12 +6,16 @@ Every model (the base and each specialist) is evaluated greedily on the eval spl
 *every* domain at that domain's evaluation difficulty, under every effort, on the same
 problems (the seed picks the problem draw). Two measurements come out:
 
-* **effort**: per model and domain, reward under max > high > low, by >= 0.10 each;
-* **competition**: a specialist's reward on the *other* domains, against the base's
-  (a fall of >= 0.10 is what mixed RL and weight merging then have to fight).
+* **effort**: per model and domain, pass rate under max > high > low, by >= 0.10 each;
+* **competition**: a specialist's pass rate at max effort on the *other* domains, against
+  the base's (a fall of >= 0.10 is what mixed RL and weight merging then have to fight).
+
+Pass rate is verifier correctness: the length penalty of the reward is no part of it.
 
     python -m studies.testbed --workdir runs/testbed     # 3 seeds; re-run resumes
                                                          # (finished evals are cached)
+    python -m studies.testbed --workdir runs/tb --init experiments/dose/bases/b32 \
+        --domains general,coding --sft-steps 60 --sft-lr 1e-3 --rl-steps 0 --seeds 0
 
 Results: ``<workdir>/results.json`` (every row, with seeds, commit, command, wall time) and
 ``results.md`` (tables and PASS/FAIL computed from it); the committed copy lives in
@@ -42,9 +46,12 @@ MARGIN = 0.10
 
 
 def stages(seed: int, *, init: str = "builtin:base", sft_steps: int = 150,
-           rl_steps: int = 20) -> list:
+           rl_steps: int = 20, sft_lr: float = 5e-4, domains=tuple(TESTBED)) -> list:
+    """Per domain: ``sft_<domain>``, then ``specialist_<domain>`` (GRPO; with rl_steps=0 the
+    SFT stage is the specialist)."""
     out = []
-    for domain, fam in TESTBED.items():
+    for domain in domains:
+        fam = TESTBED[domain]
         d = EVAL_DIFFICULTY[domain]
         sft = trainer_config(
             "sft.py:tasks", f"--config.model.init_from={init}", f"--config.seed={seed}",
@@ -52,7 +59,7 @@ def stages(seed: int, *, init: str = "builtin:base", sft_steps: int = 150,
             f"--config.data.tasks.difficulty={d}", "--config.data.tasks.seed=" + str(seed),
             "--config.data.seq_len=320", "--config.data.packing=True",
             "--config.data.batch_size=24", f"--config.train.steps={sft_steps}",
-            f"--config.train.ckpt_every={sft_steps}", "--config.optim.lr=5e-4",
+            f"--config.train.ckpt_every={sft_steps}", f"--config.optim.lr={sft_lr}",
             "--config.optim.warmup_steps=10")
         rl = trainer_config(
             "grpo.py:tiny", f"--config.seed={seed}", f"--config.tasks.seed={seed}",
@@ -65,9 +72,14 @@ def stages(seed: int, *, init: str = "builtin:base", sft_steps: int = 150,
             "--config.eval.every=0", "--config.eval.n=16",
             f"--config.eval.sampling.max_new_tokens={SAMPLING['max_new_tokens']}",
             f"--config.eval.sampling.max_turns={SAMPLING['max_turns']}")
-        out += [Stage(f"sft_{domain}", "sft", sft),
-                Stage(f"specialist_{domain}", "grpo", rl, init_from=f"sft_{domain}")]
+        out.append(Stage(f"sft_{domain}", "sft", sft))
+        if rl_steps:
+            out.append(Stage(f"specialist_{domain}", "grpo", rl, init_from=f"sft_{domain}"))
     return out
+
+
+def specialist_stage(domain: str, rl_steps: int) -> str:
+    return f"specialist_{domain}" if rl_steps else f"sft_{domain}"
 
 
 def evaluate_domain(path: str, domain: str, seed: int, n: int = EVAL_N) -> list[dict]:
@@ -98,14 +110,15 @@ def _cached_eval(wd: str, name: str, path: str, seed: int, n: int) -> list[dict]
 
 
 def run(workdir: str, seeds=SEEDS, *, init: str = "builtin:base", n: int = EVAL_N,
-        **stage_kw) -> dict:
+        domains=tuple(TESTBED), rl_steps: int = 20, **stage_kw) -> dict:
     t0 = time.time()
     records = []
     for seed in seeds:
         wd = os.path.join(workdir, f"seed{seed}")
-        done = run_stages(stages(seed, init=init, **stage_kw), wd)
-        models = {"base": init, **{f"specialist_{d}": stage_dir(wd, f"specialist_{d}")
-                                   for d in TESTBED}}
+        done = run_stages(stages(seed, init=init, domains=domains, rl_steps=rl_steps,
+                                 **stage_kw), wd)
+        models = {"base": init, **{f"specialist_{d}": stage_dir(wd, specialist_stage(d, rl_steps))
+                                   for d in domains}}
         for name, path in models.items():
             for r in _cached_eval(wd, name, path, seed, n):
                 records.append({**r, "model": name, "seed": seed})
@@ -117,12 +130,13 @@ def _std(v: np.ndarray) -> float:
     return float(v.std(ddof=1)) if len(v) > 1 else 0.0
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Mean ± std over seeds of reward per (model, domain, effort), and the two claims."""
+def summarize(rows: list[dict], metric: str = "pass_rate") -> dict:
+    """Mean ± std over seeds of `metric` (pass rate; "reward" for the penalised reward) per
+    (model, domain, effort), and the two claims."""
     rows = [r for r in rows if r["model"] != "_stages"]
     seeds = sorted({r["seed"] for r in rows})
     models = list(dict.fromkeys(r["model"] for r in rows))
-    cell = {(r["model"], r["domain"], r["effort"], r["seed"]): r["reward"] for r in rows}
+    cell = {(r["model"], r["domain"], r["effort"], r["seed"]): r[metric] for r in rows}
 
     def per_seed(m, d, e):
         return np.array([cell[(m, d, e, s)] for s in seeds if (m, d, e, s) in cell])
@@ -154,8 +168,7 @@ def summarize(rows: list[dict]) -> dict:
         for d in TESTBED:
             if d == d_spec:
                 continue
-            base = np.mean([per_seed("base", d, e) for e in EFFORTS], axis=0)
-            spec = np.mean([per_seed(m, d, e) for e in EFFORTS], axis=0)
+            base, spec = per_seed("base", d, EFFORTS[-1]), per_seed(m, d, EFFORTS[-1])
             drop = base - spec
             compete.append({"specialist": d_spec, "domain": d, "base": float(base.mean()),
                             "specialist_reward": float(spec.mean()),
@@ -163,7 +176,7 @@ def summarize(rows: list[dict]) -> dict:
                             "drop_std": _std(drop),
                             "pass": bool(drop.mean() >= MARGIN)})
     return {"seeds": seeds, "models": models, "table": table, "effort": effort,
-            "compete": compete}
+            "compete": compete, "metric": metric}
 
 
 def report_md(summary: dict, meta: dict) -> str:
@@ -172,7 +185,7 @@ def report_md(summary: dict, meta: dict) -> str:
              f"Seeds {s['seeds']}; commit {meta['commit']}; command `{meta['command']}`; "
              f"wall time {meta['wall_s'] / 60:.0f} min; {EVAL_N} eval-split problems per cell "
              f"and seed, greedy; evaluation difficulty {meta['eval_difficulty']}.", "",
-             "## Reward per model, domain and effort (mean ± std over seeds)", "",
+             f"## {s['metric']} per model, domain and effort (mean ± std over seeds)", "",
              "| model | domain | " + " | ".join(EFFORTS) + " |", "|---|---|" + "---:|" * 3]
     for m in s["models"]:
         for d in TESTBED:
@@ -186,7 +199,7 @@ def report_md(summary: dict, meta: dict) -> str:
               f"{r['max_minus_high_std']:.3f} | {'PASS' if r['pass'] else 'FAIL'} |"
               for r in s["effort"]]
     lines += ["", f"## Domains compete: a specialist loses >= {MARGIN} on the other domains "
-              "(mean over efforts)", "",
+              f"(at {EFFORTS[-1]} effort)", "",
               "| specialist | domain | base | specialist | drop (mean ± std) | claim |",
               "|---|---|---:|---:|---:|---|"]
     lines += [f"| {r['specialist']} | {r['domain']} | {r['base']:.3f} | "
@@ -215,11 +228,14 @@ def main(argv=None) -> int:
     p.add_argument("--init", default="builtin:base")
     p.add_argument("--eval-n", type=int, default=EVAL_N)
     p.add_argument("--sft-steps", type=int, default=150)
-    p.add_argument("--rl-steps", type=int, default=20)
+    p.add_argument("--rl-steps", type=int, default=20, help="0: the SFT is the specialist")
+    p.add_argument("--sft-lr", type=float, default=5e-4)
+    p.add_argument("--domains", default=",".join(TESTBED))
     args = p.parse_args(argv)
     seeds = tuple(int(s) for s in args.seeds.split(","))
     result = run(args.workdir, seeds, init=args.init, n=args.eval_n, sft_steps=args.sft_steps,
-                 rl_steps=args.rl_steps)
+                 rl_steps=args.rl_steps, sft_lr=args.sft_lr,
+                 domains=tuple(args.domains.split(",")))
     print(write_results(args.workdir, result,
                         "python -m studies.testbed " + " ".join(argv or sys.argv[1:])))
     return 0

@@ -95,8 +95,9 @@ BASE = "builtin:base"
 
 
 def on_testbed(c, sft_sections, policy_sections, difficulty: int | None = None) -> None:
-    """Put a recipe config on the testbed (docs/testbed.md), in place: its SFT cold start
-    (``c.sft``) starts from the shipped base, every stage trains on its domains' train split
+    """Put a recipe config on the testbed (docs/testbed.md), in place: the start
+    (``c.start``) is the shipped base, every stage that starts from no other stage starts
+    from it, every stage trains on its domains' train split
     at their common evaluation difficulty with the testbed's token budget, and the report
     evaluates there (``c.eval.difficulty``). ``c.domains`` must map each
     domain to its testbed family.
@@ -115,7 +116,9 @@ def on_testbed(c, sft_sections, policy_sections, difficulty: int | None = None) 
     difficulty = levels.pop() if difficulty is None else int(difficulty)
     if difficulty not in range(1, 6):
         raise ValueError(f"difficulty={difficulty}: expected 1..5 (the testbed families' levels)")
-    c.sft.model.init_from = BASE
+    c.start = BASE
+    for name in (*sft_sections, *policy_sections):   # a stage that starts from no stage
+        c[name].model.init_from = BASE
     for name in sft_sections:
         c[name].data.tasks.difficulty = difficulty
         c[name].data.update(dict(seq_len=320, packing=True, batch_size=24))

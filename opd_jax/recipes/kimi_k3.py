@@ -1,15 +1,37 @@
-"""Kimi K3: SFT cold start -> one GRPO teacher per (domain, effort) -> MOPD into one student.
+"""Kimi K3: specialists per domain (SFT, then GRPO down Kimi's effort ladder) -> MOPD into one
+student, against the validation-tuned merge of the same teachers.
 
-Efforts follow Kimi's ladder: each domain's max-effort teacher is trained first (from the
-SFT cold start), then high and low are derived by *budget annealing* — RL continues from the
-next-higher effort's teacher with the smaller thinking budget and stronger length penalty of
-the lower effort. ``effort_schedule="plain"`` trains every effort from SFT directly instead,
-and ``"both"`` trains both ladders and reports the plain teachers next to the annealed ones.
-The student starts from the SFT checkpoint and distills every cell's teacher (routed per
-sample by (domain, effort)) with the clipped sampled-token signal; the baseline merges the
-teachers' weights (task arithmetic on the SFT base). With ``c.teacher_sft`` (the scale-up
-presets: larger teachers than the student) the teachers start from their own SFT stage
-"teacher_sft" instead, which is also the merge's base.
+Stages of one seed:
+
+1. ``sft`` (optional, ``c.sft.train.steps > 0``): a cold start on every domain's demos. With
+   0 steps the start is the pretrained base itself (``c.start``), which is the testbed's
+   setting: its base already knows the formats, and a cold start on the teacher cells'
+   demos would spend the headroom the teachers are meant to fill.
+2. Per domain, the specialist: ``sft_<domain>`` fine-tunes the start on its own domain's train
+   demos (every effort), then GRPO at the top of the ladder (``rl_<domain>_max``) and
+   *budget annealing* down it: high continues RL from max, low from high, each with its
+   effort's smaller think budget (``effort_schedule="plain"`` trains every effort from the
+   specialist SFT instead; ``"both"`` reports both). Each (domain, effort) cell's teacher is
+   its rung of the ladder.
+3. ``student``: MOPD from the start, the teacher routed per sample by (domain, effort), the
+   seed's clipped sampled-token signal.
+4. ``merge_<scale>``: task arithmetic of the cell teachers on the start, one stage per scale
+   of ``c.merge_scales``; the report keeps the scale with the best pass rate on a validation
+   draw of *train-split* problems (never the evaluation problems).
+
+The report (`collect`, `claims`) reads pass rate (verifier correctness) only: the length
+penalty stays in the training reward and in the reward columns, and no claim reads it. Every
+seed is evaluated on its own draw of held-out problems (``c.eval.seed + seed``), so pooled
+standard errors count problems. Claims, each paired per problem and pooled over seeds:
+
+* PRECONDITION: the start has headroom on every teacher cell and every teacher gained;
+  when it fails, the claims below print as not judged, with the numbers;
+* every teacher beats the start on its cell by >= GAIN beyond 3 se;
+* each domain's specialist (its max-effort teacher) loses >= LOSS on the other domain;
+* effort binds in pass rate for teachers and student: max - high and high - low >= EFFORT_GAP;
+* the student keeps the teachers' gains: (student - start) / (teacher - start) has mean >=
+  0.9 and minimum >= 0.8 over cells;
+* the student beats the validation-tuned merge beyond 2 se on every cell.
 """
 from __future__ import annotations
 
@@ -20,16 +42,23 @@ import numpy as np
 
 from opd_jax import envs
 from opd_jax.recipes import report as rp
-from opd_jax.recipes.pipeline import Stage, read_done
+from opd_jax.recipes.pipeline import Stage
 
 LADDER = ("max", "high", "low")     # annealing order: each from the previous one
-# The teacher level (fraction of a teacher's reward) of results.json files written before
-# they recorded it: every preset's ``c.teacher_level``.
-TEACHER_LEVEL = 0.95
+GAIN, GAIN_K = 0.15, 3.0            # every teacher beats the start by GAIN beyond GAIN_K se
+LOSS, LOSS_K = 0.10, 2.0            # each specialist loses LOSS on the other domain
+EFFORT_GAP = 0.10                   # max - high and high - low, in pass rate
+RETENTION_MEAN, RETENTION_WORST = 0.9, 0.8
+MERGE_K = 2.0                       # the student beats the merge beyond MERGE_K se
+HEADROOM = 1.0 - GAIN               # the start's pass rate on a teacher cell stays below it
 
 
 def teacher_name(domain: str, effort: str, plain: bool = False) -> str:
     return f"{'plain' if plain else 'rl'}_{domain}_{effort}"
+
+
+def merge_name(scale: float) -> str:
+    return f"merge_{float(scale):g}"
 
 
 def stage_config(cfg: ml_collections.ConfigDict, seed: int, families: dict,
@@ -47,46 +76,57 @@ def stage_config(cfg: ml_collections.ConfigDict, seed: int, families: dict,
     return c
 
 
+def start_path(c: ml_collections.ConfigDict) -> str:
+    """The checkpoint every line starts from when there is no cold-start stage."""
+    return c.get("start") or c.sft.model.init_from
+
+
 def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
     domains, efforts = dict(c.domains), tuple(c.efforts)
     unknown = sorted(set(efforts) - set(LADDER))
     if unknown:
         raise ValueError(f"kimi_k3 efforts {unknown}: expected a subset of {LADDER}")
-    stages = [Stage("sft", "sft", stage_config(c.sft, seed, domains, efforts))]
-    root = teacher_root(c, stages, seed, domains, efforts)
+    if c.effort_schedule not in ("anneal", "plain", "both"):
+        raise ValueError(f"effort_schedule={c.effort_schedule!r}: expected anneal, plain, both")
+    stages: list[Stage] = []
+    if c.sft.train.steps:
+        stages.append(Stage("sft", "sft", stage_config(c.sft, seed, domains, efforts)))
+        start = "sft"
+    else:
+        start = None
+    root = teacher_root(c, stages, seed, domains, efforts, start)
     ladder = [e for e in LADDER if e in efforts]
     teachers = {}
     for domain, fam in domains.items():
-        prev = root
-        for i, effort in enumerate(ladder):
+        spec = specialist_start(c, stages, seed, f"sft_{domain}", {domain: fam}, ladder, root)
+        prev = spec
+        for effort in ladder:
             if c.effort_schedule in ("anneal", "both"):
-                if i == 0:   # the ladder's top: its own SFT on the cell first, if configured
-                    prev = specialist_start(c, stages, seed, f"sft_{domain}_{effort}",
-                                            {domain: fam}, (effort,), root)
                 name = teacher_name(domain, effort)
-                stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam}, (effort,)),
-                                    init_from=prev))
+                stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam},
+                                                               (effort,)), init_from=prev))
                 prev = name
                 teachers[envs.cell_name(domain, effort)] = name
             if c.effort_schedule in ("plain", "both"):
                 name = teacher_name(domain, effort, plain=True)
-                start = specialist_start(c, stages, seed, f"sft_plain_{domain}_{effort}",
-                                         {domain: fam}, (effort,), root)
-                stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam}, (effort,)),
-                                    init_from=start))
+                stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam},
+                                                               (effort,)), init_from=spec))
                 teachers.setdefault(envs.cell_name(domain, effort), name)
-    if c.effort_schedule not in ("anneal", "plain", "both"):
-        raise ValueError(f"effort_schedule={c.effort_schedule!r}: expected anneal, plain, both")
     stages.append(Stage("student", "opd", stage_config(c.student, seed, domains, efforts),
-                        init_from="sft", teachers=teachers))
-    stages.append(Stage("merge", "merge", ml_collections.ConfigDict(dict(c.merge)),
-                        init_from=root, teachers=teachers))
+                        init_from=start, teachers=teachers))
+    for scale in c.merge_scales:
+        cfg = dict(method=c.merge.method, scale=float(scale))
+        if root is None:
+            cfg["base"] = start_path(c)
+        stages.append(Stage(merge_name(scale), "merge", ml_collections.ConfigDict(cfg),
+                            init_from=root, teachers=teachers))
     return stages
 
 
 def teacher_root(c: ml_collections.ConfigDict, stages: list[Stage], seed: int, domains: dict,
-                 efforts) -> str:
-    """The stage teachers' RL starts from: "sft", or "teacher_sft" when `c.teacher_sft` exists.
+                 efforts, start: str | None = "sft") -> str | None:
+    """The stage teachers' training starts from: `start` (a stage, or None: the base), or
+    "teacher_sft" when `c.teacher_sft` exists.
 
     `c.teacher_sft` (optional) is a separate cold start for teachers of another size than the
     student (the scale-up presets: Qwen3-8B teachers, a Qwen3-1.7B student); it is appended
@@ -94,20 +134,20 @@ def teacher_root(c: ml_collections.ConfigDict, stages: list[Stage], seed: int, d
     as its base (task arithmetic needs the teachers' own starting point).
     """
     if "teacher_sft" not in c:
-        return "sft"
+        return start
     stages.append(Stage("teacher_sft", "sft", stage_config(c.teacher_sft, seed, domains, efforts)))
     return "teacher_sft"
 
 
 def specialist_start(c: ml_collections.ConfigDict, stages: list[Stage], seed: int, name: str,
-                     families: dict, efforts, start: str, cells=()) -> str:
+                     families: dict, efforts, start: str | None, cells=()) -> str | None:
     """Where a teacher's RL starts: `start`, or a specialist SFT stage `name` on its cells.
 
     With ``c.specialist_sft.train.steps > 0`` (every teacher gets its own SFT cold start, then RL),
     stage `name` fine-tunes `start` on the demos of `families` x `efforts` alone and is
     appended to `stages`; the caller starts the teacher's GRPO from it. At toy scale this is
-    what makes a teacher better than the shared cold start: 20-40 GRPO iterations alone do
-    not (measured: see experiments/kimi_k3/README.md). Used by all three recipes.
+    what makes a teacher better than the shared start: GRPO iterations alone do not
+    (measured: see experiments/kimi_k3/README.md). Used by all three recipes.
     """
     spec = c.get("specialist_sft")
     if spec is None or not spec.train.steps:
@@ -122,202 +162,259 @@ def routed_teachers(stages: list[Stage]) -> dict[str, str]:
     return dict(next(s for s in stages if s.name == "student").teachers)
 
 
-def rl_steps_to(stages: list[Stage], name: str, records: dict) -> int:
-    """Optimizer steps on the way to teacher `name` from the shared cold start: its whole
-    annealing chain of GRPO stages and its specialist SFT, if any."""
-    by = {s.name: s for s in stages}
-    steps, s = 0, by[name]
-    while s.init_from is not None:
-        steps += records[s.name]["optimizer_steps"]
-        s = by[s.init_from]
-    return steps
+def eval_seed(c: ml_collections.ConfigDict, seed: int) -> int:
+    """The held-out draw of a seed: its own problems (pooled standard errors count
+    problems, not problem x seed pairs)."""
+    return int(c.eval.seed) + int(seed)
 
 
+def validation_seed(c: ml_collections.ConfigDict, seed: int) -> int:
+    """The merge's validation draw of a seed (train split: disjoint from the evaluation)."""
+    return int(c.eval.seed) + 1_000 + int(seed)
+
+
+# -- evaluation ------------------------------------------------------------------------------
 def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
-    """Evaluate every seed's stages into results.json's dict (`report.report` adds the
-    claims and the provenance, which results.json keeps after the seeds).
+    """Evaluate every seed's models into results.json's dict (`report.report` adds the
+    claims and the provenance).
 
-    Every model is evaluated greedily on the same held-out problems (the eval split, drawn
-    by ``c.eval.seed``), so teacher - SFT differences are paired per problem.
-    """
+    Per seed: the start, the student and the chosen merge on every cell; each cell's teacher
+    on its cell; each domain's specialist (its max-effort teacher) on the other domains'
+    cells; every merge scale on the validation draw. Values are per-problem pass (0/1) and
+    reward lists, so every comparison is paired per problem."""
     domains, efforts = dict(c.domains), tuple(c.efforts)
     cells = [(d, fam, e) for d, fam in domains.items() for e in efforts]
     names = [envs.cell_name(d, e) for d, _, e in cells]
+    top = next(e for e in LADDER if e in efforts)
     ev, diff = c.eval, c.eval.difficulty
     per_seed = []
     for seed in seeds:
         sw = os.path.join(workdir, f"seed{seed}")
         stages = build(c, seed)
-        records = {s.name: read_done(sw, s.name) for s in stages}
         routed = routed_teachers(stages)
-        evs = lambda stage, cs: rp.evaluate_stage(sw, stage, cs, ev, tokenizer=tokenizer,
-                                                  difficulty=diff)
-        r = {"teacher": {}, "plain": {}, "student": evs("student", cells),
-             "merge": evs("merge", cells), "sft": evs("sft", cells), "opd_steps": {},
-             "rl_steps": {}}
-        for cell, (d, fam, e) in zip(names, cells):
-            t = routed[cell]
-            r["teacher"][cell] = evs(t, [(d, fam, e)])[cell]
-            if c.effort_schedule == "both":
-                r["plain"][cell] = evs(teacher_name(d, e, plain=True), [(d, fam, e)])[cell]
-            r["rl_steps"][cell] = rl_steps_to(stages, t, records)
-            xs, ys = rp.curve(sw, "student", f"heldout/{cell}/reward")
-            level = c.teacher_level * r["teacher"][cell]["reward"]
-            hit = next((x for x, y in zip(xs, ys) if y >= level), None)
-            per_it = c.student.rl.ppo_epochs * c.student.rl.minibatches
-            r["opd_steps"][cell] = None if hit is None else hit * per_it
-        per_seed.append(r)
+        es, vs = eval_seed(c, seed), validation_seed(c, seed)
 
-    def vals(kind, cell, key="reward"):
-        return [s[kind][cell][key] for s in per_seed]
-
-    def pooled(kind, cell):        # per-problem rewards of every seed, in one paired order
-        return [x for s in per_seed for x in s[kind][cell]["rewards"]]
-
-    out_cells = {}
-    for cell in names:
-        ret = [rp.ratio(s["student"][cell]["reward"], s["teacher"][cell]["reward"])
-               for s in per_seed]
-        mret = [rp.ratio(s["merge"][cell]["reward"], s["teacher"][cell]["reward"])
-                for s in per_seed]
-        opd = [s["opd_steps"][cell] for s in per_seed]
-        rl = [s["rl_steps"][cell] for s in per_seed]
-        out_cells[cell] = {
-            "teacher": vals("teacher", cell), "student": vals("student", cell),
-            "merge": vals("merge", cell), "sft": vals("sft", cell), "retention": ret,
-            "merge_retention": mret, "teacher_len": vals("teacher", cell, "length"),
-            "student_len": vals("student", cell, "length"),
-            "teacher_minus_sft": rp.paired(pooled("teacher", cell), pooled("sft", cell)),
-            "student_minus_merge": rp.paired(pooled("student", cell), pooled("merge", cell)),
-            "plain": vals("plain", cell) if c.effort_schedule == "both" else [],
-            "opd_steps": opd, "rl_steps": rl}
+        def evs(stage, cs, split="eval", path=None):
+            return rp.evaluate_stage(sw, stage, cs, ev, tokenizer=tokenizer, difficulty=diff,
+                                     path=path, split=split,
+                                     seed=es if split == "eval" else vs,
+                                     n=ev.n if split == "eval" else c.val_n)
+        start = stages[0].name if stages and stages[0].name == "sft" else None
+        models = {"start": evs(start or "start", cells,
+                               path=None if start else start_path(c)),
+                  "student": evs("student", cells)}
+        val = {}
+        for s in (s for s in stages if s.kind == "merge"):
+            rows = evs(s.name, cells, split="train")
+            val[s.name] = float(np.mean([r["pass_rate"] for r in rows.values()]))
+        best = max(val, key=val.get)
+        models["merge"] = evs(best, cells)
+        teacher = {cell: evs(routed[cell], [(d, fam, e)])[cell]
+                   for cell, (d, fam, e) in zip(names, cells)}
+        plain = ({cell: evs(teacher_name(d, e, plain=True), [(d, fam, e)])[cell]
+                  for cell, (d, fam, e) in zip(names, cells)}
+                 if c.effort_schedule == "both" else {})
+        specialists = {d: evs(routed[envs.cell_name(d, top)],
+                              [(o, ofam, top) for o, ofam in domains.items() if o != d])
+                       for d in domains}
+        keep = ("pass_rate", "reward", "length", "passes", "rewards", "n")
+        trim = lambda rows: {k: {f: r[f] for f in keep} for k, r in rows.items()}
+        per_seed.append({
+            "seed": seed, "eval_seed": es, "validation_seed": vs,
+            "models": {k: trim(v) for k, v in models.items()}, "teacher": trim(teacher),
+            "plain": trim(plain), "specialist": {d: trim(v) for d, v in specialists.items()},
+            "merge_validation": val, "merge_chosen": best,
+            "teachers": {cell: routed[cell] for cell in names},
+            "stages": {s.name: rp.stage_cost(sw, s) for s in stages}})
     return {"recipe": "kimi_k3", "seeds": list(seeds), "provenance": None,
-            "eval": rp.eval_meta(ev), "teacher_level": c.teacher_level, "cells": out_cells}
+            "eval": rp.eval_meta(ev) | {"per_seed_problems": True},
+            "domains": domains, "efforts": list(efforts), "top": top,
+            "table": table(per_seed, names, domains, efforts, top), "per_seed": per_seed}
 
 
-def plot(c: ml_collections.ConfigDict, workdir: str, results: dict) -> None:
-    """curves.png (the first seed's student held-out reward per cell against its teacher,
-    the merge and the SFT start) and retention.png (student and merge / teacher)."""
-    out_cells, seed, n = results["cells"], results["seeds"][0], results["eval"]["n"]
-    names = list(out_cells)
-    sw = os.path.join(workdir, f"seed{seed}")
-    curves = {}
+def _pooled(per_seed, getter, key="passes") -> list[float]:
+    return [x for s in per_seed for x in getter(s)[key]]
+
+
+def table(per_seed: list[dict], names: list[str], domains: dict, efforts, top: str) -> dict:
+    """Pooled over seeds (each seed its own problems): pass rates and every paired
+    comparison the claims read."""
+    model = lambda m, cell: (lambda s: s["models"][m][cell])
+    teach = lambda cell: (lambda s: s["teacher"][cell])
+    out = {"pass": {}, "reward": {}, "length": {}, "vs_start": {}, "student_vs_merge": {},
+           "retention": {}, "merge_retention": {}, "competition": {}, "effort": {}}
     for cell in names:
-        xs, ys = rp.curve(sw, "student", f"heldout/{cell}/reward")
-        v = out_cells[cell]
-        curves[cell] = [{"x": xs, "y": ys,
-                         "label": f"student (MOPD), in-run eval n={c.student.eval.n}"},
-                        {"y": v["teacher"][0], "label": f"teacher (n={n})", "color": "k"},
-                        {"y": v["merge"][0], "label": f"merged (n={n})", "color": "r"},
-                        {"y": v["sft"][0], "label": f"SFT start (n={n})", "color": "gray"}]
-    rp.plot_curves(os.path.join(workdir, "curves.png"), curves,
-                   title=f"kimi_k3: student held-out reward per cell (seed {seed})")
-    rp.plot_bars(os.path.join(workdir, "retention.png"), names, {
-        "student / teacher": [np.mean(out_cells[c_]["retention"]) for c_ in names],
-        "merged / teacher": [np.mean(out_cells[c_]["merge_retention"]) for c_ in names]},
-        errors={"student / teacher": [np.std(out_cells[c_]["retention"]) for c_ in names],
-                "merged / teacher": [np.std(out_cells[c_]["merge_retention"]) for c_ in names]},
-        title="kimi_k3: retention of teacher reward", ylabel="fraction of teacher reward",
-        hline=1.0)
+        get = {"start": model("start", cell), "teacher": teach(cell),
+               "student": model("student", cell), "merge": model("merge", cell)}
+        if per_seed[0]["plain"]:
+            get["plain"] = lambda s, cell=cell: s["plain"][cell]
+        out["pass"][cell] = {m: float(np.mean(_pooled(per_seed, g))) for m, g in get.items()}
+        out["reward"][cell] = {m: float(np.mean(_pooled(per_seed, g, "rewards")))
+                               for m, g in get.items()}
+        out["length"][cell] = {m: float(np.mean([g(s)["length"] for s in per_seed]))
+                               for m, g in get.items()}
+        start = _pooled(per_seed, get["start"])
+        out["vs_start"][cell] = {m: rp.paired(_pooled(per_seed, g), start)
+                                 for m, g in get.items() if m != "start"}
+        out["student_vs_merge"][cell] = rp.paired(_pooled(per_seed, get["student"]),
+                                                  _pooled(per_seed, get["merge"]))
+        gain = out["vs_start"][cell]["teacher"]["diff"]
+        # Retention of the gain, defined where the teacher beats the start.
+        for who, key in (("student", "retention"), ("merge", "merge_retention")):
+            out[key][cell] = (out["vs_start"][cell][who]["diff"] / gain if gain > 0
+                              else float("nan"))
+    for d in domains:
+        for o, ofam in domains.items():
+            if o == d:
+                continue
+            cell = envs.cell_name(o, top)
+            spec = _pooled(per_seed, lambda s: s["specialist"][d][cell])
+            out["competition"][f"{d} on {o}"] = rp.paired(
+                _pooled(per_seed, model("start", cell)), spec)   # start - specialist: its loss
+    ladder = [e for e in LADDER if e in efforts]
+    for who in ("start", "teacher", "student"):
+        for d in domains:
+            get = (lambda e: teach(envs.cell_name(d, e))) if who == "teacher" else \
+                (lambda e: model(who, envs.cell_name(d, e)))
+            out["effort"][f"{who} {d}"] = {
+                f"{a}-{b}": rp.paired(_pooled(per_seed, get(a)), _pooled(per_seed, get(b)))
+                for a, b in zip(ladder, ladder[1:])}
+    return out
 
 
+# -- claims ----------------------------------------------------------------------------------
+def beats(p: dict, d: float, k: float) -> bool:
+    """"Beats by d beyond k se": the paired difference is >= d and > k standard errors."""
+    return p["diff"] >= d and p["diff"] > k * p["se"]
+
+
+def precondition(results: dict) -> dict:
+    """The start has headroom on every teacher cell (pass rate < HEADROOM) and every teacher
+    gained on its cell (beyond 2 se): without both, no claim below says anything about OPD."""
+    t = results["table"]
+    start = {cell: v["start"] for cell, v in t["pass"].items()}
+    gain = {cell: v["teacher"] for cell, v in t["vs_start"].items()}
+    full = [cell for cell, p in start.items() if p >= HEADROOM]
+    flat = [cell for cell, g in gain.items() if not beats(g, 0.0, 2.0)]
+    return {"claim": f"PRECONDITION: the start has headroom on every teacher cell (pass rate "
+                     f"< {HEADROOM:.2f}) and every teacher gained on its cell (beyond 2 se)",
+            "pass": not full and not flat,
+            "measured": "start " + ", ".join(f"{k} {v:.3f}" for k, v in start.items())
+                        + "; teacher - start " + rp.paired_list(gain)
+                        + (f"; no headroom: {full}" if full else "")
+                        + (f"; no gain: {flat}" if flat else "")}
+
+
+def claims(results: dict) -> list[dict]:
+    """The recipe's claims, from a results.json dict alone (module doc)."""
+    t = results["table"]
+    pre = precondition(results)
+    out = [pre]
+    gain = {cell: v["teacher"] for cell, v in t["vs_start"].items()}
+    out.append({"claim": f"every teacher beats the start on its cell by >= {GAIN} pass rate "
+                         f"beyond {GAIN_K:g} se",
+                "pass": all(beats(g, GAIN, GAIN_K) for g in gain.values()),
+                "measured": rp.paired_list(gain)})
+    comp = t["competition"]
+    out.append({"claim": f"each specialist loses >= {LOSS} pass rate on the other domain "
+                         f"beyond {LOSS_K:g} se (start - specialist, at {results['top']} "
+                         f"effort): the domains compete",
+                "pass": bool(comp) and all(beats(p, LOSS, LOSS_K) for p in comp.values()),
+                "measured": rp.paired_list(comp)})
+    for who in ("teacher", "student"):
+        eff = {f"{k.split(' ', 1)[1]} {gap}": p for k, v in t["effort"].items()
+               if k.startswith(who + " ") for gap, p in v.items()}
+        out.append({"claim": f"effort binds in pass rate ({who}s): every gap down the ladder "
+                             f"(max - high, high - low) >= {EFFORT_GAP}",
+                    "pass": all(p["diff"] >= EFFORT_GAP for p in eff.values()),
+                    "measured": rp.paired_list(eff)})
+    ret = t["retention"]
+    finite = {k: v for k, v in ret.items() if np.isfinite(v)}
+    mean = float(np.mean(list(finite.values()))) if finite else float("nan")
+    worst = min(finite, key=finite.get) if finite else None
+    out.append({"claim": f"the student keeps the teachers' gains: (student - start) / (teacher "
+                         f"- start) >= {RETENTION_MEAN} on average and >= {RETENTION_WORST} on "
+                         f"every cell",
+                "pass": len(finite) == len(ret) and mean >= RETENTION_MEAN
+                        and finite[worst] >= RETENTION_WORST,
+                "measured": f"mean {mean:.1%}; " + ", ".join(f"{k} {v:.1%}"
+                                                             for k, v in ret.items())})
+    vm = t["student_vs_merge"]
+    scales = sorted({s["merge_chosen"] for s in results["per_seed"]})
+    out.append({"claim": f"the student beats the validation-tuned merge on every cell beyond "
+                         f"{MERGE_K:g} se",
+                "pass": all(beats(p, 0.0, MERGE_K) for p in vm.values()),
+                "measured": rp.paired_list(vm) + f"; chosen on validation: {', '.join(scales)}"})
+    if not pre["pass"]:
+        for cl in out[1:]:
+            cl["judged"] = False
+    return out
+
+
+# -- tables and plots ------------------------------------------------------------------------
 def write_markdown(path: str, results: dict) -> None:
     """results.md from a results.json dict (so the committed table can be regenerated)."""
-    cells, seeds, meta, ev = (results["cells"], results["seeds"], results["provenance"],
-                              results["eval"])
-    header = ["cell", "SFT", "teacher", "teacher - SFT (se, paired)", "student (MOPD)",
-              "retention", "merged", "plain teacher", "length T / S",
-              "OPD steps to teacher level vs the teacher's (SFT + RL) steps"]
+    t, seeds, ev = results["table"], results["seeds"], results["eval"]
+    plain = any("plain" in v for v in t["pass"].values())
+    header = ["cell", "start", "teacher", "teacher - start (se)", "student",
+              "student - start (se)", "gain kept", "merge", "student - merge (se)",
+              *(["plain teacher"] if plain else []), "length T / S"]
     rows = []
-    for cell, v in cells.items():
-        tms = v["teacher_minus_sft"]
-        rows.append([cell, rp.fmt(v["sft"]), rp.fmt(v["teacher"]),
-                     f"{tms['diff']:+.3f} ({tms['se']:.3f})", rp.fmt(v["student"]),
-                     rp.fmt(v["retention"], pct=True), rp.fmt(v["merge"]),
-                     rp.fmt(v["plain"]) if v["plain"] else "-",
-                     f"{np.mean(v['teacher_len']):.1f} / {np.mean(v['student_len']):.1f}",
-                     "/".join("-" if o is None else str(o) for o in v["opd_steps"])
-                     + f" vs {v['rl_steps'][0]}"])
+    for cell, p in t["pass"].items():
+        vs, vm = t["vs_start"][cell], t["student_vs_merge"][cell]
+        rows.append([cell, f"{p['start']:.3f}", f"{p['teacher']:.3f}",
+                     f"{vs['teacher']['diff']:+.3f} ({vs['teacher']['se']:.3f})",
+                     f"{p['student']:.3f}",
+                     f"{vs['student']['diff']:+.3f} ({vs['student']['se']:.3f})",
+                     f"{t['retention'][cell]:.1%}", f"{p['merge']:.3f}",
+                     f"{vm['diff']:+.3f} ({vm['se']:.3f})",
+                     *([f"{p['plain']:.3f}"] if plain else []),
+                     f"{t['length'][cell]['teacher']:.0f} / {t['length'][cell]['student']:.0f}"])
+    rew = [[cell, *[f"{r[m]:.3f}" for m in ("start", "teacher", "student", "merge")]]
+           for cell, r in t["reward"].items()]
+    costs = {name: [s["stages"][name] for s in results["per_seed"]]
+             for name in results["per_seed"][0]["stages"]}
+    n_problems = ev["n"] * len(seeds)
     md = [f"# kimi_k3 results ({len(seeds)} seed(s): {list(seeds)})", "",
-          rp.provenance_line(meta), "",
-          f"Held-out reward (eval split, greedy, n={ev['n']} per cell and seed, difficulty "
-          f"{ev['difficulty']}); mean ± std over seeds. Retention = student / teacher reward "
-          f"on the teacher's cell. teacher - SFT: paired over the same problems, pooled over "
-          f"seeds.", "", rp.markdown_table(header, rows), "", "## Claims", ""]
+          rp.provenance_line(results["provenance"]), "",
+          f"Pass rate (verifier correctness) on held-out problems (eval split, greedy, "
+          f"difficulty {ev['difficulty']}), {ev['n']} per cell and seed, each seed its own "
+          f"problems: {n_problems} per cell. Differences are paired per problem; se counts "
+          f"problems. Gain kept = (student - start) / (teacher - start). The merge is task "
+          f"arithmetic of the cell teachers at the scale with the best validation pass rate "
+          f"(train-split problems).", "", rp.markdown_table(header, rows), "",
+          "## Claims", ""]
     md += rp.claim_lines(results["claims"])
-    md += ["", "![curves](curves.png)", "", "![retention](retention.png)", ""]
+    md += ["", "## Reward (the training signal, with the length penalty; no claim reads it)",
+           "", rp.markdown_table(["cell", "start", "teacher", "student", "merge"], rew), "",
+           "## Compute per stage (mean over seeds)", "", rp.cost_table(costs), "",
+           "FLOPs: 2N per token through a forward pass, 2N_T per teacher-scored token, 6N "
+           "per trained token (`opd_jax.trainers.compute`).", "",
+           "![pass rate](curves.png)", "", "![gain kept](retention.png)", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(md))
 
 
-def merge_reason(cells: dict, better: list, n: int) -> str:
-    """The measured reason behind the merge comparison, from the same cells. A merge adds the
-    teachers' task vectors to the SFT start and OPD copies the teachers: where the teachers
-    gained nothing over the start, the student inherits what they lost and the merge, near
-    the start, does not."""
-    m = lambda key: float(np.mean([np.mean(v[key]) for v in cells.values()]))
-    t_sft = float(np.mean([v["teacher_minus_sft"]["diff"] for v in cells.values()]))
-    return (f"; measured reason: the teachers beat the SFT start on {len(better)} of {n} cells "
-            f"(mean teacher - SFT {t_sft:+.3f}), the student copies them (mean retention "
-            f"{m('retention'):.1%}) and the merge stays near the start (mean merge - SFT "
-            f"{m('merge') - m('sft'):+.3f}; {m('merge_retention'):.1%} of the teachers' "
-            f"reward)")
+def plot(c: ml_collections.ConfigDict, workdir: str, results: dict) -> None:
+    """curves.png (the first seed's student in-run held-out pass rate per cell against its
+    teacher, the merge and the start) and retention.png (gain kept by student and merge)."""
+    t, seed, n = results["table"], results["seeds"][0], results["eval"]["n"]
+    names = list(t["pass"])
+    sw = os.path.join(workdir, f"seed{seed}")
+    curves = {}
+    for cell in names:
+        xs, ys = rp.curve(sw, "student", f"heldout/{cell}/pass_rate")
+        p = t["pass"][cell]
+        curves[cell] = [{"x": xs, "y": ys,
+                         "label": f"student (MOPD), in-run eval n={c.student.eval.n}"},
+                        {"y": p["teacher"], "label": f"teacher (n={n} x seeds)", "color": "k"},
+                        {"y": p["merge"], "label": "merge (validation-tuned)", "color": "r"},
+                        {"y": p["start"], "label": "start", "color": "gray"}]
+    rp.plot_curves(os.path.join(workdir, "curves.png"), curves,
+                   title=f"kimi_k3: student held-out pass rate per cell (seed {seed})")
+    rp.plot_bars(os.path.join(workdir, "retention.png"), names, {
+        "student": [t["retention"][k] for k in names],
+        "merge": [t["merge_retention"][k] for k in names]},
+        title="kimi_k3: share of the teacher's gain over the start kept",
+        ylabel="(model - start) / (teacher - start)", hline=1.0)
 
-
-def _grid(cells: dict) -> tuple[list[str], list[str]]:
-    """(domains, efforts) of results.json's cells, in the order the report wrote them (the
-    cells are `envs.cell_name(domain, effort)`, domain by domain)."""
-    pairs = [name.split("/", 1) for name in cells]
-    return list(dict.fromkeys(d for d, _ in pairs)), list(dict.fromkeys(e for _, e in pairs))
-
-
-def claims(results: dict) -> list[dict]:
-    """The recipe's claims, from a results.json dict alone (paired over the same problems)."""
-    cells = results["cells"]
-    domains, efforts = _grid(cells)
-    lvl = results.get("teacher_level", TEACHER_LEVEL)
-    ret = {k: float(np.mean(v["retention"])) for k, v in cells.items()}
-    mean_ret = float(np.mean(list(ret.values())))
-    worst = min(ret, key=ret.get)
-    beats = [k for k, v in cells.items() if np.mean(v["student"]) > np.mean(v["merge"])]
-    # Teacher-level speed is only measurable where the SFT start is below the level: where
-    # it already holds it, "reaching" it takes no training and says nothing about OPD.
-    measurable = [k for k, v in cells.items() if np.mean(v["sft"]) < lvl * np.mean(v["teacher"])]
-    fast_ok = [k for k in measurable
-               if all(x is not None and x * 5 <= y
-                      for x, y in zip(cells[k]["opd_steps"], cells[k]["rl_steps"]))]
-    gain = {k: v["teacher_minus_sft"] for k, v in cells.items()}
-    better = [k for k, g in gain.items() if g["diff"] > 2 * g["se"]]
-    weakest = min(gain, key=lambda k: gain[k]["diff"] - 2 * gain[k]["se"])
-    n = len(cells)
-    out = [
-        {"claim": "each teacher beats the SFT start on its cell beyond 2 standard errors "
-                  "(paired over the same held-out problems, pooled over seeds)",
-         "pass": len(better) == n,
-         "measured": f"{len(better)} of {n}; weakest {weakest} "
-                     f"{gain[weakest]['diff']:+.3f} (se {gain[weakest]['se']:.3f})"},
-        {"claim": "the student keeps >= 90% of every teacher's reward (goal: 95% mean)",
-         "pass": ret[worst] >= 0.90,
-         "measured": f"mean {mean_ret:.1%}, worst {worst} {ret[worst]:.1%}"},
-        {"claim": f"the student beats the task-arithmetic merge on most cells (> {n // 2} "
-                  f"of {n})",
-         "pass": len(beats) > n // 2, "measured": f"{len(beats)} of {n}"
-                                                    + merge_reason(cells, better, n)},
-        {"claim": f"OPD reaches {lvl:.0%} of teacher level in <= 1/5 of the "
-                  "optimizer steps the teacher took from the shared cold start (its "
-                  "specialist SFT and RL), every seed",
-         "pass": bool(measurable) and len(fast_ok) == len(measurable),
-         "measured": f"{len(fast_ok)} of {len(measurable)} measurable cells"
-                     + (f" ({n - len(measurable)} of {n} not measurable: the SFT start already "
-                        f"holds {lvl:.0%} of the teacher's reward)" if len(measurable) < n
-                        else "")},
-    ]
-    ladder = [e for e in ("max", "high", "low") if e in efforts]
-    for who in ("teacher", "student"):
-        for d in domains:
-            m = [float(np.mean(cells[envs.cell_name(d, e)][who])) for e in ladder]
-            out.append({"claim": f"effort axis ({who}, {d}): {' > '.join(ladder)} at the "
-                                 f"evaluation difficulty",
-                        "pass": all(a > b for a, b in zip(m, m[1:])),
-                        "measured": ", ".join(f"{e} {v:.3f}" for e, v in zip(ladder, m))})
-    return out

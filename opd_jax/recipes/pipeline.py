@@ -8,7 +8,8 @@ one resumes from its own checkpoints, so a killed experiment restarted with the 
 loses at most one checkpoint interval of one stage. Its times are those of the run that
 finished the stage: ``wall_s``, ``compile_s`` (XLA compiles and lowering to MLIR),
 ``trace_s`` (tracing Python to jaxprs) and ``compiles`` (XLA compiles; see CompileClock);
-records written before compile times were kept lack the last three. ``done.json`` also
+records written before compile times were kept lack the last three. ``compute`` is the
+run's tokens and FLOPs (`trainers.compute`; None for a merge). ``done.json`` also
 records what the stage was (kind, config, references): calling again with a *changed* stage
 under the same name is refused, naming the keys that differ, instead of silently reusing a
 result of other settings.
@@ -32,7 +33,7 @@ import ml_collections
 
 from opd_jax.models import ModelRef, save_pretrained
 from opd_jax.teachers import merge_models
-from opd_jax.trainers import config_schema, run_policy, run_sft
+from opd_jax.trainers import compute, config_schema, run_policy, run_sft
 
 log = logging.getLogger(__name__)
 KINDS = ("sft", "grpo", "opd", "merge")
@@ -196,7 +197,8 @@ def run_stage(stage: Stage, workdir: str, *, progress: bool = True) -> dict:
         else:
             record = _merge(stage, cfg, workdir, out_dir)
     record |= {"stage": stage.name, "kind": stage.kind, "wall_s": round(time.time() - t0, 1),
-               **clock.record(), "identity": stage_identity(stage)}
+               **clock.record(), "identity": stage_identity(stage),
+               "compute": compute.read(out_dir)}
     tmp = os.path.join(out_dir, "done.json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(record, f, indent=2)

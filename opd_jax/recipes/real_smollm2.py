@@ -16,9 +16,8 @@ per-token reverse KL to the untouched model on its own answers, and its log-like
 the untouched model's greedy answers (the forgetting measurements of the on-policy
 distillation literature).
 
-FLOPs per stage are the analytic 2N per token of a forward pass and 6N of a forward and
-backward (N = parameters): SFT 6N x the tokens of its packed rows; OPD per iteration 2N x
-the sampled rows' tokens (rollout) + 2N (the routed specialist's scoring) + 6N (the update).
+FLOPs per stage are the trainers' own counts (`trainers.compute`: 2N per token of a forward
+pass, 2N_T per token a teacher scores, 6N per trained token).
 """
 from __future__ import annotations
 
@@ -35,10 +34,9 @@ from opd_jax import envs
 from opd_jax.episodes import SamplingConfig, build_sequences
 from opd_jax.models import ModelRef, Transformer, bos_ids
 from opd_jax.recipes import report as rp
-from opd_jax.recipes.pipeline import Stage, read_done, stage_dir
+from opd_jax.recipes.pipeline import Stage, stage_dir
 from opd_jax.rollout import generate
 from opd_jax.trainers.evaluate import evaluate_tasks
-from opd_jax.trainers.metrics import read_metrics
 
 START = "builtin:smollm2"
 EFFORT = envs.CHAT_EFFORT.name
@@ -193,23 +191,6 @@ def param_count(config) -> int:
     return int(sum(x.size for x in jax.tree.leaves(nnx.state(abstract, nnx.Param))))
 
 
-def stage_flops(c, sw: str, stage: Stage, n_params: int) -> float:
-    """Analytic FLOPs of a finished stage (module docstring)."""
-    if stage.kind == "merge":
-        return 0.0
-    cfg = stage.config
-    if stage.kind == "sft":
-        return 6.0 * n_params * read_done(sw, stage.name)["optimizer_steps"] * \
-            cfg.data.batch_size * cfg.data.seq_len
-    total = 0.0
-    for m in read_metrics(stage_dir(sw, stage.name)):
-        if "response_len" in m and "prompt_len" in m:
-            rows = cfg.rollout.prompts_per_step * cfg.rollout.group_size
-            tokens = rows * (m["prompt_len"] + m["response_len"])
-            total += (2.0 + 2.0 + 6.0 * cfg.rl.ppo_epochs) * n_params * tokens
-    return total
-
-
 def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
     """Every seed's models on the held-out problems, the merge's validation, general
     ability, FLOPs and wall time per stage (results.json's dict)."""
@@ -244,8 +225,7 @@ def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dic
         general = {k: general_ability(c, sw, name, path, reference, tokenizer)
                    for k, (name, path) in stage_of.items()}
         n_params = param_count(ModelRef(c.start).model_config())
-        cost = {s.name: {"wall_s": read_done(sw, s.name)["wall_s"],
-                         "flops": stage_flops(c, sw, s, n_params)} for s in stages}
+        cost = {s.name: rp.stage_cost(sw, s) for s in stages}
         per_seed.append({"seed": seed, "models": models, "merge_validation": val_mean,
                          "merge_scale": best, "general": general, "stages": cost,
                          "params": n_params})

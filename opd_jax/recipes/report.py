@@ -29,7 +29,8 @@ from opd_jax import envs
 from opd_jax.episodes import SamplingConfig
 from opd_jax.models import ModelRef
 from opd_jax.plotting.recipes import plot_bars, plot_curves  # noqa: F401  (rp.plot_*)
-from opd_jax.recipes.pipeline import read_done, stage_dir
+from opd_jax.recipes.pipeline import Stage, read_done, stage_dir
+from opd_jax.trainers import compute as compute_lib
 from opd_jax.trainers.evaluate import evaluate_tasks, heldout_tasks
 from opd_jax.trainers.metrics import read_metrics
 
@@ -58,25 +59,35 @@ def report(recipe, c, workdir: str, seeds: Sequence[int], tokenizer) -> dict:
 
 
 def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]], ev, *,
-                   tokenizer, difficulty: int, tag: str = "") -> dict[str, dict]:
-    """{cell: row} of stage `name` on `cells` ((domain, family, effort) triples), cached."""
-    tag = tag or f"d{difficulty}_" + "_".join(f"{d}-{e}" for d, _, e in cells)
-    path = os.path.join(stage_dir(workdir, name), f"eval_{tag}.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
+                   tokenizer, difficulty: int, tag: str = "", path: str | None = None,
+                   split: str = "eval", seed: int | None = None,
+                   n: int | None = None) -> dict[str, dict]:
+    """{cell: row} of stage `name` on `cells` ((domain, family, effort) triples), cached in
+    the stage's folder (``eval_<tag>.json``).
+
+    path: the model when it is no stage's output (the untouched start; its results are
+    cached under ``<workdir>/<name>``). split / seed / n: the problems, ``ev.seed`` and
+    ``ev.n`` unless given (a recipe draws other problems per seed, and a validation set
+    from the train split)."""
+    seed = ev.seed if seed is None else int(seed)
+    n = ev.n if n is None else int(n)
+    tag = tag or (f"d{difficulty}_" + "_".join(f"{d}-{e}" for d, _, e in cells)
+                  + ("" if (split, seed, n) == ("eval", ev.seed, ev.n)
+                     else f"_{split}_s{seed}_n{n}"))
+    path_out = os.path.join(stage_dir(workdir, name), f"eval_{tag}.json")
+    if os.path.isfile(path_out):
+        with open(path_out, encoding="utf-8") as f:
             return json.load(f)
     tasks: list[envs.Task] = []
     for domain, fam, effort in cells:
-        tasks += heldout_tasks({domain: fam}, (effort,), n=ev.n, seed=ev.seed,
-                               difficulty=difficulty)
-    model = ModelRef(stage_dir(workdir, name)).load()
+        tasks += heldout_tasks({domain: fam}, (effort,), n=n, seed=seed,
+                               difficulty=difficulty, split=split)
+    model = ModelRef(path or stage_dir(workdir, name)).load()
     rows = evaluate_tasks(model, tokenizer, tasks, SamplingConfig(**dict(ev.sampling)),
-                          seed=ev.seed, batch_size=ev.batch_size)
+                          seed=seed, batch_size=ev.batch_size)
     out = {r["cell"]: r for r in rows}
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(out, f, indent=2)
-    os.replace(tmp, path)
+    os.makedirs(os.path.dirname(path_out), exist_ok=True)
+    write_json(path_out, out)
     return out
 
 
@@ -122,6 +133,44 @@ def paired(a: Sequence[float], b: Sequence[float]) -> dict:
     d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
     se = float(d.std(ddof=1) / np.sqrt(len(d))) if len(d) > 1 else 0.0
     return {"diff": float(d.mean()) if len(d) else float("nan"), "se": se, "n": int(len(d))}
+
+
+def stage_cost(workdir: str, stage: Stage) -> dict:
+    """What a finished stage cost: wall seconds, optimizer steps, rollouts and FLOPs (total
+    and per part; `trainers.compute`), from its done.json (its compute.json for a record
+    written before done.json kept it). A merge computes nothing worth counting (0 FLOPs)."""
+    done = read_done(workdir, stage.name)
+    rec = done.get("compute") or compute_lib.read(stage_dir(workdir, stage.name))
+    if rec is None and stage.kind != "merge":
+        raise ValueError(f"stage {stage.name!r} in {workdir!r} has no compute record "
+                         f"(compute.json): it finished before compute was counted; re-run it")
+    flops = rec["flops"] if rec else {"total": 0.0}
+    return {"kind": stage.kind, "wall_s": float(done["wall_s"]),
+            "optimizer_steps": int(done["optimizer_steps"]),
+            "rollouts": int(rec["tokens"].get("rollouts", 0)) if rec else 0,
+            "flops": float(flops["total"]), "flops_parts": flops}
+
+
+def cost_table(costs: dict[str, dict]) -> str:
+    """The per-stage compute table of `stage_cost` records (name -> record; the mean over
+    seeds when each value is a list of seeds' records)."""
+    rows, tot = [], {"wall_s": 0.0, "flops": 0.0}
+    for name, recs in costs.items():
+        recs = recs if isinstance(recs, list) else [recs]
+        m = {k: float(np.mean([r[k] for r in recs]))
+             for k in ("wall_s", "optimizer_steps", "rollouts", "flops")}
+        part = lambda k: float(np.mean([r["flops_parts"].get(k, 0.0) for r in recs]))
+        tot["wall_s"] += m["wall_s"]
+        tot["flops"] += m["flops"]
+        rows.append([name, recs[0]["kind"], f"{m['optimizer_steps']:.0f}",
+                     f"{m['rollouts']:.0f}", f"{m['wall_s']:.0f}",
+                     compute_lib.format_flops(m["flops"]),
+                     " / ".join(compute_lib.format_flops(part(k))
+                                for k in ("rollout", "teacher", "forward", "train"))])
+    rows.append(["total", "", "", "", f"{tot['wall_s']:.0f}",
+                 compute_lib.format_flops(tot["flops"]), ""])
+    return markdown_table(["stage", "kind", "optimizer steps", "rollouts", "wall s", "FLOPs",
+                           "rollout / teacher / extra forward / train FLOPs"], rows)
 
 
 def code_commit() -> str:
@@ -177,8 +226,15 @@ def paired_list(ps: dict) -> str:
 
 def claim_lines(claims: Sequence[dict]) -> list[str]:
     """results.md's "- **PASS** claim: measured" lines."""
-    return [f"- **{'PASS' if cl['pass'] else 'FAIL'}** {cl['claim']}: {cl['measured']}"
-            for cl in claims]
+    return [f"- **{verdict(cl)}** {cl['claim']}: {cl['measured']}" for cl in claims]
+
+
+def verdict(claim: dict) -> str:
+    """PASS, FAIL, or NOT JUDGED for a claim a failed precondition leaves without meaning
+    (``"judged": False``; its numbers are still printed)."""
+    if not claim.get("judged", True):
+        return "NOT JUDGED (precondition failed)"
+    return "PASS" if claim["pass"] else "FAIL"
 
 
 def write_json(path: str, obj) -> None:

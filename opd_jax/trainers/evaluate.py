@@ -35,8 +35,9 @@ COLUMNS = ("cell", "domain", "effort", "family", "difficulty", "n", "reward", "p
 
 
 def heldout_tasks(families: Mapping[str, str], efforts: Sequence[str], *, n: int, seed: int,
-                  difficulty: int = 1) -> list[envs.Task]:
-    """n tasks per (domain, effort) cell from the eval split (disjoint from training)."""
+                  difficulty: int = 1, split: str = "eval") -> list[envs.Task]:
+    """n tasks per (domain, effort) cell from the eval split (disjoint from training; or
+    ``split="train"``: a validation draw of training problems, for choices made on them)."""
     if n <= 0:
         raise ValueError(f"eval n={n}: expected a positive number of tasks per cell")
     out = []
@@ -44,7 +45,7 @@ def heldout_tasks(families: Mapping[str, str], efforts: Sequence[str], *, n: int
         envs.check_family_domain(fam, domain)
         for effort in efforts:
             out += list(envs.TaskSource(fam, size=n, seed=seed, difficulty=difficulty,
-                                        effort=effort, split="eval"))
+                                        effort=effort, split=split))
     return out
 
 
@@ -74,6 +75,7 @@ def aggregate(episodes) -> list[dict]:
             "length": float(np.mean([e.sampled_tokens for e in eps])),
             # per task, in task order: paired comparisons of two models on the same problems
             "rewards": [float(e.reward) for e in eps],
+            "passes": [float(e.info.get("correct", 0.0)) for e in eps],
         })
     return rows
 

@@ -143,9 +143,7 @@ class Teachers:
         if not self.enabled:
             return TeacherScores([], {}), {}
         weights = [self.cell_weights[cell_of(e.task)] for e in episodes]
-        for key in {k for w in weights for k, v in w.items() if v > 0}:
-            rows = [len(e.prompt_ids) + len(e.response_ids) for e, w in zip(episodes, weights)
-                    if w.get(key, 0) > 0]
+        for key, rows in self.scored_rows(episodes).items():
             builders.check_positions(max(rows), self.configs[key],
                                      f"episodes scored by teacher {key!r}")
         scored = self.scorer(episodes, weights, seqs)
@@ -153,6 +151,22 @@ class Teachers:
                                 absent=self._absent(scored))
         block(scores.fields)
         return scores, {"teachers_loaded": float(len(self.bank.loaded()))}
+
+    def scored_rows(self, episodes) -> dict[str, list[int]]:
+        """{teacher key: the tokens (prompt + response) of each row it scores}."""
+        out: dict[str, list[int]] = {}
+        if not self.enabled:
+            return out
+        for e in episodes:
+            for key, w in self.cell_weights[cell_of(e.task)].items():
+                if w > 0:
+                    out.setdefault(key, []).append(len(e.prompt_ids) + len(e.response_ids))
+        return out
+
+    def params(self) -> dict[str, int]:
+        """{teacher key: its parameter count} of the teachers the routing uses."""
+        return {key: self.configs[key].num_params() for key in self.slots} if self.enabled \
+            else {}
 
     def _absent(self, scored: dict) -> dict:
         """For the hidden-state signal: (hidden zeros, unembedding) of each slot whose

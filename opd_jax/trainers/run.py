@@ -74,6 +74,7 @@ class Run:
     meta: dict
     initial_params: Any = None
     step: int = 0          # the state's optimizer step, kept on the host (read once, at open)
+    resumed: dict = dataclasses.field(default_factory=dict)   # the restored step's meta
     _pending: tuple | None = None
 
     @classmethod
@@ -98,10 +99,10 @@ class Run:
             state, shardings = place_state(state, setup.mesh, setup.rules)
             initial = (jax.tree.map(jnp.copy, state.params) if keep_initial_params
                        else None)
-            start = 0
+            start, resumed = 0, {}
             if ckpt.latest_step() is not None:
                 try:
-                    state, _ = ckpt.restore(None, abstract_like(state), iterator)
+                    state, resumed = ckpt.restore(None, abstract_like(state), iterator)
                 except CheckpointError as e:
                     optim = sorted(k for k in changes if k.startswith("optim."))
                     if not optim:
@@ -122,7 +123,7 @@ class Run:
             raise
         meta = {"model": model_meta, "kind": kind, "tokenizer": tokenizer}
         return cls(cfg, workdir, setup, ckpt, iterator, tx, graphdef, state, shardings, start,
-                   guard, writer, meta, initial, int(state.step))
+                   guard, writer, meta, initial, int(state.step), dict(resumed or {}))
 
     def compile(self, step_fn: Callable, *, extra_shardings=()) -> Callable:
         """`step_fn(state, batch, *extra)` jitted with the state's shardings (and the

@@ -38,7 +38,7 @@ import jax
 import ml_collections
 
 from opd_jax import sharding as sh
-from opd_jax.trainers import builders, evaluate
+from opd_jax.trainers import builders, compute, evaluate
 from opd_jax.trainers.builders import task_cells
 from opd_jax.trainers.objectives import check_needs, make_objective
 from opd_jax.trainers.phases import (Batcher, Judge, OldLogprobs, Rollout, Teachers, Timer,
@@ -84,6 +84,8 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
         rollout = Rollout(cfg.rollout, setup.tokenizer, setup.mesh, seed=cfg.seed,
                           workdir=workdir, start=run.start, reset=resume_with_changes)
         history, eval_rows = [], None
+        counts = compute.Compute.from_dict(run.resumed.get("compute"))
+        forward_passes = int(needs.old_logp) + int(run.initial_params is not None)
         bar = run.progress(steps, desc=cfg.objective.name, enabled=progress)
         for it in bar:
             timer, done = Timer(), it + 1
@@ -102,8 +104,12 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                     m |= m_old
             with timer("update"):
                 m |= update(batch, scores, it)
-            metrics |= m | {"tokens_per_s": sum(e.sampled_tokens for e in episodes)
-                            / max(timer.elapsed(), 1e-9)}
+            sampled = sum(e.sampled_tokens for e in episodes)
+            metrics |= m | {"tokens_per_s": sampled / max(timer.elapsed(), 1e-9)}
+            counts.add_iteration([len(e.prompt_ids) + len(e.response_ids) for e in episodes],
+                                 sampled, forward_passes=forward_passes,
+                                 epochs=cfg.rl.ppo_epochs,
+                                 teacher_rows=teachers.scored_rows(episodes))
             with timer("eval"):
                 if heldout.due(done, steps):
                     eval_rows, m = heldout(student(run))
@@ -114,12 +120,14 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                 run.writer.write(done, metrics)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             if run.due(done, cfg.train.ckpt_every, steps):
-                run.save(run.step, iteration=done)
+                run.save(run.step, iteration=done, compute=counts.to_dict())
                 rollout.log.checkpointed(done)
     finally:
         run.close()
     if eval_rows is not None and jax.process_index() == 0:
         evaluate.write_rows(eval_rows, os.path.join(workdir, "eval"))
     teachers.save_stats(workdir)
+    if jax.process_index() == 0:
+        compute.write(workdir, counts, setup.model_config.num_params(), teachers.params())
     return {"history": history, "checkpoint": run.ckpt.directory, "eval": eval_rows,
             "teacher_cache": teachers.bank.stats if teachers.bank else None}

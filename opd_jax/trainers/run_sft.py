@@ -23,7 +23,7 @@ import jax
 import ml_collections
 
 from opd_jax import sharding as sh
-from opd_jax.trainers import builders
+from opd_jax.trainers import builders, compute
 from opd_jax.trainers.metrics import read_metrics
 from opd_jax.trainers.run import Run, Setup
 from opd_jax.trainers.sft import sft_step
@@ -68,6 +68,11 @@ def train_sft(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool = 
                 run.save(done)
     finally:
         run.close()
+    if jax.process_index() == 0:
+        # every position of the rows of every optimizer step (module doc of `compute`)
+        rows = cfg.data.batch_size * cfg.data.seq_len
+        compute.write(workdir, compute.Compute(trained=total * rows),
+                      setup.model_config.num_params())
     last["checkpoint"] = os.path.join(run.ckpt.directory, str(run.ckpt.latest_step()))
     if run.guard.skipped:
         last["skipped_steps"] = list(run.guard.skipped)

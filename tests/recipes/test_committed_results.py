@@ -10,10 +10,8 @@ from opd_jax.recipes import recipe_module
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# (recipe, results folder, seeds): every committed results table (reduced presets; results_full:
-# kimi_k3's full preset)
-COMMITTED = [("kimi_k3", "results", [0, 1, 2]), ("glm", "results", [0, 1, 2]),
-             ("deepseek_v4", "results", [0, 1, 2]), ("kimi_k3", "results_full", [0, 1, 2]),
+# (recipe, results folder, seeds): every committed results table (reduced presets)
+COMMITTED = [("glm", "results", [0, 1, 2]), ("deepseek_v4", "results", [0, 1, 2]),
              ("real_smollm2", "results", [0])]
 
 

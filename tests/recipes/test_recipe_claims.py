@@ -2,7 +2,11 @@
 rewards in which each claim holds, then the change that makes it fail."""
 import copy
 
+import numpy as np
+import pytest
+
 from opd_jax.recipes import recipe_module
+from opd_jax.recipes import report as rp
 
 N = 40           # problems per cell and seed
 
@@ -74,48 +78,81 @@ def test_deepseek_claims():
     assert [c["pass"] for c in cl] == [False, False, False, False], cl
 
 
-def _kimi_cells(teacher_gain: float, student: float, merge: float, opd_steps):
-    """Six cells (2 domains x 3 efforts) with the reward ordered by effort; per cell, the
-    same numbers over two seeds."""
-    cells = {}
-    for d in ("general", "agent"):
-        for i, e in enumerate(("low", "high", "max")):
-            sft = 0.3 + 0.2 * i
-            t = sft + teacher_gain
-            cells[f"{d}/{e}"] = {
-                "sft": [sft, sft], "teacher": [t, t], "student": [student * t] * 2,
-                "merge": [merge * t] * 2, "retention": [student, student],
-                "merge_retention": [merge, merge],
-                "teacher_minus_sft": {"diff": teacher_gain, "se": 0.02},
-                "student_minus_merge": {"diff": (student - merge) * t, "se": 0.02},
-                "opd_steps": list(opd_steps), "rl_steps": [30, 30]}
-    return cells
+N_KIMI = 128
 
 
-def test_kimi_claims_and_the_merge_reason():
-    import os
+def _passes(rate: float, n: int = N_KIMI) -> list[float]:
+    """n per-problem passes with the given rate (problem i passes when i < rate * n: the
+    same problems pass for every model with a higher rate, so paired se stays small)."""
+    return [1.0 if i < round(rate * n) else 0.0 for i in range(n)]
 
-    from opd_jax.config import load_config
+
+def _row(rate: float) -> dict:
+    p = _passes(rate)
+    return {"pass_rate": float(np.mean(p)), "reward": float(np.mean(p)), "length": 40.0,
+            "passes": p, "rewards": p, "n": len(p)}
+
+
+def _kimi_results(start=(0.05, 0.2, 0.4), gain=0.3, kept=0.95, merge_kept=0.3,
+                  other_loss=0.2, seeds=(0, 1)):
+    """A kimi_k3 results dict (two domains x low/high/max) through the report's own
+    `table`: start pass rates per effort, the teachers' gain, the share of it the student
+    and the merge keep, and each specialist's loss on the other domain (at max)."""
     kimi = recipe_module("kimi_k3")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    c = load_config(os.path.join(root, "experiments", "kimi_k3", "config.py:reduced"))
-    run = lambda cells: {x["claim"]: x for x in
-                         kimi.claims({"cells": cells, "teacher_level": c.teacher_level})}
-    good = run(_kimi_cells(0.2, 0.97, 0.80, (4, 6)))
-    assert all(x["pass"] for x in good.values()), good
-    # the slower seed needs 8 steps: 8 * 5 > 30, so speed fails on every cell
-    slow = run(_kimi_cells(0.2, 0.97, 0.80, (4, 8)))
-    speed = next(x for k, x in slow.items() if k.startswith("OPD reaches"))
-    assert not speed["pass"] and speed["measured"].startswith("0 of 6 measurable")
-    # teachers level with their start: speed is not measurable, the merge wins, and the
-    # merge claim says why, with numbers computed from the cells
-    flat = run(_kimi_cells(0.0, 0.95, 1.02, (None, None)))
-    teacher = next(x for k, x in flat.items() if k.startswith("each teacher"))
-    merge = next(x for k, x in flat.items() if "merge" in k)
-    speed = next(x for k, x in flat.items() if k.startswith("OPD reaches"))
-    assert not teacher["pass"] and not merge["pass"] and not speed["pass"]
-    assert "6 of 6 not measurable" in speed["measured"]
-    assert merge["measured"].startswith("0 of 6; measured reason: the teachers beat the SFT "
-                                        "start on 0 of 6 cells (mean teacher - SFT +0.000)")
-    assert "mean retention 95.0%" in merge["measured"]
-    assert "(mean merge - SFT +0.010; 102.0% of the teachers' reward)" in merge["measured"]
+    domains, efforts = {"general": "chain", "coding": "code_trace"}, ["low", "high", "max"]
+    cells = [f"{d}/{e}" for d in domains for e in efforts]
+    base = {f"{d}/{e}": start[i] for d in domains for i, e in enumerate(efforts)}
+    per_seed = []
+    for seed in seeds:
+        models = {m: {c: _row(base[c] + share * gain) for c in cells}
+                  for m, share in (("start", 0.0), ("student", kept), ("merge", merge_kept))}
+        per_seed.append({
+            "seed": seed, "models": models, "plain": {},
+            "teacher": {c: _row(base[c] + gain) for c in cells},
+            "specialist": {d: {f"{o}/max": _row(base[f"{o}/max"] - other_loss)
+                               for o in domains if o != d} for d in domains},
+            "merge_chosen": "merge_0.5", "stages": {}})
+    res = {"recipe": "kimi_k3", "seeds": list(seeds), "top": "max", "domains": domains,
+           "efforts": efforts, "per_seed": per_seed,
+           "table": kimi.table(per_seed, cells, domains, efforts, "max")}
+    return kimi, res
+
+
+def test_kimi_claims_read_pass_rate_gains_and_the_precondition():
+    kimi, res = _kimi_results()
+    good = kimi.claims(res)
+    assert [c["pass"] for c in good] == [True] * 7, good
+    assert all(c.get("judged", True) for c in good)
+    assert res["table"]["retention"]["general/max"] == pytest.approx(0.95, abs=0.02)
+    # A student that keeps 70% of the gains fails retention (mean < 0.9), nothing else.
+    _, weak = _kimi_results(kept=0.7)
+    cl = kimi.claims(weak)
+    assert [c["pass"] for c in cl] == [True, True, True, True, True, False, True], cl
+    # Effort that does not bind at the start binds nowhere: teachers and student fail.
+    _, flat = _kimi_results(start=(0.3, 0.35, 0.4))
+    cl = kimi.claims(flat)
+    assert [c["pass"] for c in cl][3:5] == [False, False]
+    # Specialists that help the other domain: no competition.
+    _, kind = _kimi_results(other_loss=-0.1)
+    assert not kimi.claims(kind)[2]["pass"]
+    # Teachers level with the start: PRECONDITION FAIL, every other claim not judged, and
+    # the report prints that instead of a row of FAILs.
+    _, none = _kimi_results(gain=0.0)
+    cl = kimi.claims(none)
+    assert not cl[0]["pass"] and "no gain" in cl[0]["measured"]
+    assert all(c.get("judged") is False for c in cl[1:])
+    lines = rp.claim_lines(cl)
+    assert lines[0].startswith("- **FAIL** PRECONDITION")
+    assert all(x.startswith("- **NOT JUDGED (precondition failed)**") for x in lines[1:])
+    # A start with no headroom fails the precondition too.
+    _, full = _kimi_results(start=(0.7, 0.8, 0.9), gain=0.05)
+    assert "no headroom" in kimi.claims(full)[0]["measured"]
+
+
+def test_beats_is_margin_and_standard_errors():
+    kimi = recipe_module("kimi_k3")
+    assert kimi.beats({"diff": 0.2, "se": 0.05}, 0.15, 3.0)
+    assert not kimi.beats({"diff": 0.2, "se": 0.07}, 0.15, 3.0)     # 0.2 < 3 se
+    assert not kimi.beats({"diff": 0.14, "se": 0.01}, 0.15, 3.0)    # under the margin
+
+

@@ -156,10 +156,11 @@ def test_tiny_presets_plans_unchanged():
     """The optional teacher cold start adds nothing unless c.teacher_sft is set."""
     k = recipe_module("kimi_k3").build(_load("kimi_k3", "reduced"), 0)
     assert [(s.name, s.init_from) for s in k] == [
-        ("sft", None), ("rl_agent_max", "sft"), ("rl_agent_high", "rl_agent_max"),
-        ("rl_agent_low", "rl_agent_high"), ("rl_general_max", "sft"),
-        ("rl_general_high", "rl_general_max"), ("rl_general_low", "rl_general_high"),
-        ("student", "sft"), ("merge", "sft")]
+        ("sft_agent", None), ("rl_agent_max", "sft_agent"), ("rl_agent_high", "rl_agent_max"),
+        ("rl_agent_low", "rl_agent_high"), ("sft_general", None),
+        ("rl_general_max", "sft_general"), ("rl_general_high", "rl_general_max"),
+        ("rl_general_low", "rl_general_high"), ("student", None), ("merge_0.5", None),
+        ("merge_1", None)]
     d = recipe_module("deepseek_v4").build(_load("deepseek_v4", "reduced"), 0)
     assert [(s.name, s.init_from) for s in d] == [
         ("sft", None), ("sft_agent", "sft"), ("spec_agent", "sft_agent"), ("sft_code", "sft"),
@@ -168,4 +169,4 @@ def test_tiny_presets_plans_unchanged():
         ("sampled_student", "sft"), ("merge", "sft")]
     scaled = {s.name: s for s in recipe_module("kimi_k3").build(_load("kimi_k3", "scale_v5p64"), 0)}
     assert scaled["rl_agent_max"].init_from == "teacher_sft"
-    assert scaled["merge"].init_from == "teacher_sft" and scaled["student"].init_from == "sft"
+    assert scaled["merge_1"].init_from == "teacher_sft" and scaled["student"].init_from == "sft"

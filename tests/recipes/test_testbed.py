@@ -3,8 +3,11 @@ and a specialist on its own, competition as the fall from the base on the other 
 from studies import testbed as tb
 
 
-def _rows(reward):
-    return [{"model": m, "domain": d, "effort": e, "seed": s, "reward": reward(m, d, e, s)}
+def _rows(rate):
+    """Rows whose pass rate is rate(...); their reward is something else (a penalised
+    reward that would rank efforts by construction), which the claims must not read."""
+    return [{"model": m, "domain": d, "effort": e, "seed": s, "pass_rate": rate(m, d, e, s),
+             "reward": {"low": 0.5, "high": 0.8, "max": 1.0}[e]}
             for m in ("base", *(f"specialist_{d}" for d in tb.TESTBED)) for d in tb.TESTBED
             for e in tb.EFFORTS for s in (0, 1)]
 
@@ -33,6 +36,8 @@ def test_effort_and_competition_claims():
     assert not comp[("general", "agent")]["pass"]
     assert abs(comp[("general", "agent")]["drop_mean"] - 0.05) < 1e-9
     assert comp[("coding", "agent")]["pass"] and comp[("coding", "agent")]["drop_std"] < 1e-9
+    assert s["metric"] == "pass_rate"
+    assert not tb.summarize(_rows(lambda m, d, e, s: 0.5))["effort"][0]["pass"]
     md = tb.report_md(s, {"commit": "abc", "command": "cmd", "wall_s": 60.0,
                           "eval_difficulty": tb.EVAL_DIFFICULTY})
     assert "| base | coding | +0.200 ± 0.000 | +0.050 ± 0.000 | FAIL |" in md

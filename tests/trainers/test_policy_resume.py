@@ -68,6 +68,10 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, command, preset):
     # The same samples were drawn after the resume: rewards per iteration match.
     reward = lambda w: {m["step"]: m["reward/mean"] for m in read_metrics(str(w))}
     assert reward(killed) == reward(full) and sorted(reward(full)) == list(range(1, ITERS + 1))
+    # The compute counts continue across the resume (saved in the checkpoints' meta).
+    counts = lambda w: json.load(open(w / "compute.json"))
+    assert counts(killed) == counts(full) and counts(full)["tokens"]["rollouts"] == 4 * ITERS * (
+        2 if command == "grpo" else 1)
     if command == "opd":
         stats = json.load(open(full / "teacher_cache.json"))["stats"]
         assert stats["evictions"] >= 1

@@ -7,6 +7,7 @@ import pytest
 
 from opd_jax.config import load_config
 from opd_jax.models import ModelConfig, save_pretrained
+from opd_jax.models.hf import read_config
 from opd_jax.trainers.metrics import read_metrics
 from opd_jax.trainers.run_policy import train_policy
 from tests.models.helpers import random_model
@@ -79,6 +80,18 @@ def test_opd_objectives_run(tmp_path, objective):
     assert (tmp_path / "run" / "eval" / "eval.csv").read_text().startswith("cell,domain,effort")
     cache = json.load(open(tmp_path / "run" / "teacher_cache.json"))
     assert cache["stats"]["loads"] == 1
+    # Compute: every rollout row went through the student once and its teacher once, and
+    # was trained on in every PPO epoch; FLOPs 2N / 2N_T / 6N per token.
+    rec = json.load(open(tmp_path / "run" / "compute.json"))
+    tok, n, n_t = rec["tokens"], rec["params"], rec["teacher_params"][key]
+    assert tok["rollouts"] == cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    assert 0 < tok["sampled"] < tok["rollout"] and tok["teacher"] == {key: tok["rollout"]}
+    assert tok["trained"] == cfg.rl.ppo_epochs * tok["rollout"]
+    assert tok["forward"] in (0, tok["rollout"], 2 * tok["rollout"])
+    assert n_t == read_config(teacher).num_params()
+    assert rec["flops"]["teacher"] == 2.0 * n_t * tok["rollout"]
+    assert rec["flops"]["train"] == 6.0 * n * tok["trained"]
+    assert rec["flops"]["total"] == sum(v for k, v in rec["flops"].items() if k != "total")
 
 
 def test_opd_bad_banks_fail_early(tmp_path):
