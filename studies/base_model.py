@@ -102,6 +102,24 @@ def card_table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def dosed(card: dict) -> str:
+    """The card's words for a dosed corpus (issue 31: headroom on the teacher cells)."""
+    dose = card["corpus"].get("dose")
+    if not dose:
+        return ""
+    cells = "; ".join(f"{fam} " + ", ".join(f"d{d}: {n}" for d, n in sorted(levels.items()))
+                      for fam, levels in sorted(dose.items()))
+    return (f" **Dosed cells** (demos per effort instead of the counts above, so the "
+            f"recipes' teacher cells keep headroom): {cells}.")
+
+
+def continued(card: dict) -> str:
+    """The card's words for a base whose training continued another checkpoint."""
+    init = card.get("init_from")
+    return (f", continuing `{init}` (a first phase of pretraining, with its own run_config.json)"
+            if init else "")
+
+
 def write_card(out: str, card: dict) -> None:
     with open(os.path.join(out, "card.json"), "w", encoding="utf-8") as f:
         json.dump(card, f, indent=1)
@@ -120,11 +138,11 @@ the synthetic char-level tokenizer (vocab {m['vocab_size']}). Load it with
 families (chain, tool_chain, code_trace) {card['corpus']['testbed_per_cell']} per cell, the others
 {card['corpus']['per_cell']}. Each demo carries the most detailed scratchpad that fits its effort's
 think budget (full steps, running totals, every k-th total, or a direct answer). No eval-split
-problem can be in it (the split is a hash of the problem).
+problem can be in it (the split is a hash of the problem).{dosed(card)}
 
 **Training.** {card['steps']} steps of the SFT trainer, batch {card['batch']} packed rows of
 {card['seq_len']} tokens, AdamW lr {card['lr']} cosine; {card['train_wall_s'] / 60:.0f} minutes on
-{card['machine']}. Commit {card['commit']}. Re-create it with
+{card['machine']}{continued(card)}. Commit {card['commit']}. Re-create it with
 
     {card['command']}
 
@@ -169,7 +187,9 @@ def main(argv=None) -> int:
             "steps": cfg.train.steps, "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
             "lr": cfg.optim.lr, "train_wall_s": state.get("train_wall_s", float("nan")),
             "machine": "2 CPU cores (shared with other jobs)", "commit": code_commit(),
-            "command": "python -m studies.base_model --workdir runs/base",
+            "command": "python -m studies.base_model " + " ".join(
+                argv if argv is not None else sys.argv[1:]),
+            "init_from": cfg.model.init_from,
             "eval": {"seeds": list(CARD_SEEDS), "n": args.eval_n, "sampling": CARD_SAMPLING,
                      "wall_s": time.time() - t0},
             "rows": rows, "summary": summarize(rows)}

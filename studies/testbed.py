@@ -183,7 +183,8 @@ def report_md(summary: dict, meta: dict) -> str:
     s = summary
     lines = ["# Testbed measurements", "",
              f"Seeds {s['seeds']}; commit {meta['commit']}; command `{meta['command']}`; "
-             f"wall time {meta['wall_s'] / 60:.0f} min; {EVAL_N} eval-split problems per cell "
+             f"wall time {meta['wall_s'] / 60:.0f} min; {meta.get('n', EVAL_N)} eval-split "
+             f"problems per cell "
              f"and seed, greedy; evaluation difficulty {meta['eval_difficulty']}.", "",
              f"## {s['metric']} per model, domain and effort (mean ± std over seeds)", "",
              "| model | domain | " + " | ".join(EFFORTS) + " |", "|---|---|" + "---:|" * 3]
@@ -208,9 +209,9 @@ def report_md(summary: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(workdir: str, result: dict, command: str) -> str:
+def write_results(workdir: str, result: dict, command: str, n: int = EVAL_N) -> str:
     meta = {"commit": code_commit(), "command": command, "wall_s": result["wall_s"],
-            "eval_difficulty": EVAL_DIFFICULTY}
+            "eval_difficulty": EVAL_DIFFICULTY, "n": n}
     summary = summarize(result["rows"])
     with open(os.path.join(workdir, "results.json"), "w", encoding="utf-8") as f:
         json.dump({**meta, "rows": result["rows"], "summary": summary}, f, indent=1,
@@ -237,7 +238,8 @@ def main(argv=None) -> int:
                  rl_steps=args.rl_steps, sft_lr=args.sft_lr,
                  domains=tuple(args.domains.split(",")))
     print(write_results(args.workdir, result,
-                        "python -m studies.testbed " + " ".join(argv or sys.argv[1:])))
+                        "python -m studies.testbed " + " ".join(argv or sys.argv[1:]),
+                        n=args.eval_n))
     return 0
 
 

@@ -61,10 +61,20 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     on_testbed(c, ("sft", "specialist_sft"), ("teacher", "student"))
     if arg in ("reduced", "full"):
         c.sft.train.update(dict(steps=0, ckpt_every=1))   # no cold start: c.start
+        # The specialist SFT that made the teachers of the testbed measurement
+        # (experiments/testbed): 60 steps at lr 1e-3 on the domain's demos.
+        c.specialist_sft.train.update(dict(steps=60, ckpt_every=60))
+        c.specialist_sft.optim.update(dict(lr=1e-3, warmup_steps=5))
+        c.teacher.train.update(dict(steps=8, ckpt_every=8))
+        c.teacher.rollout.prompts_per_step = 8
+        c.teacher.optim.update(dict(lr=1e-4, warmup_steps=2))
         c.teacher.eval.every = 0
+        c.student.train.update(dict(steps=30, ckpt_every=10))
         c.student.eval.update(dict(every=10, n=64))
+        c.merge_scales = (0.25, 0.5, 1.0)
     if arg == "reduced":
-        c.domains = {"general": "chain", "agent": "tool_chain"}
+        # Two domains that compete (measured: each specialist loses on the other's cells).
+        c.domains = {"general": "chain", "coding": "code_trace"}
     elif arg == "full":
         c.seeds = (0, 1, 2)
         c.effort_schedule = "both"

@@ -175,8 +175,6 @@ SECTIONS["experiment"] = dict(
     seeds=Seq((0,), item=Int(0, **SEED), hint="one run of every stage per seed"),
     domains=Map(hint="domain -> task family"), efforts=Seq(()),
     effort_schedule=Choice("anneal", ("anneal", "plain", "both")),
-    teacher_level=Float(0.95, lo=0, hi=1, lo_open=True,
-                        hint="the fraction of the teacher's reward that counts as its level"),
     eval=Sub("experiment_eval"), merge=Sub("merge"),
     judge_stages=Seq(()), per_turn=Seq(()), stages=Seq(()), stage_teachers=Map(),
     merge_scales=Seq((1.0,), item=Float(1.0, lo=0, lo_open=True)),

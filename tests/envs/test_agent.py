@@ -1,7 +1,8 @@
 """Domain agent: generator, the multi-turn tool environment, and its final-state reward."""
 import pytest
 
-from opd_jax.envs import Environment, TaskSource, get_family, make_env, score
+from opd_jax.envs import (KNOWN_EFFORTS, Environment, TaskSource, get_family, make_env,
+                          score)
 from opd_jax.envs.agent import AGENT_LEVELS, ToolEnv, safe_calc
 
 
@@ -46,7 +47,8 @@ def test_correct_episode_scores_one_and_observations_carry_tool_results():
     assert r2.observation == f"<|tool|>{v2}<|assistant|>"
     final = env.step(f"<think>{v1}+{v2}</think>{v1 + v2}")
     assert final.done and final.info["correct"] == 1.0
-    assert final.reward == pytest.approx(1 - 0.2 * final.info["think_tokens"] / 64)
+    assert final.reward == pytest.approx(
+        1 - 0.2 * final.info["think_tokens"] / KNOWN_EFFORTS["high"].think_budget)
     with pytest.raises(RuntimeError, match="reset"):
         env.step("1")
 

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from opd_jax.envs import EffortSpec, Task, TaskSource, get_family, score
+from opd_jax.envs import KNOWN_EFFORTS, EffortSpec, Task, TaskSource, get_family, score
 from opd_jax.envs.general import math_equal
 
 
@@ -74,14 +74,16 @@ def test_verifier_malformed_scores_zero_with_reason(response, error):
 def test_effort_length_penalty_and_budget():
     think = "<think>" + "x" * 8 + "</think>42"
     low, high, mx = (score(_task(effort=e), think).score for e in ("low", "high", "max"))
-    assert low == pytest.approx(1 - 0.5 * 8 / 16) and high == pytest.approx(1 - 0.2 * 8 / 64)
+    b = {e: KNOWN_EFFORTS[e].think_budget for e in ("low", "high")}
+    assert low == pytest.approx(1 - 0.5 * 8 / b["low"])
+    assert high == pytest.approx(1 - 0.2 * 8 / b["high"])
     assert mx == 1.0
-    over = score(_task(effort="low"), "<think>" + "x" * 17 + "</think>42")
+    over = score(_task(effort="low"), "<think>" + "x" * (b["low"] + 1) + "</think>42")
     assert over.score == 0.0 and over.details["over_budget"] and over.details["correct"] == 1
     # A per-cell override travels in the task's meta.
     spec = EffortSpec("low", "<|low|>", think_budget=100, length_penalty=0.0)
     t = _task().with_effort(spec)
-    assert score(t, "<think>" + "x" * 17 + "</think>42").score == 1.0
+    assert score(t, "<think>" + "x" * (b["low"] + 1) + "</think>42").score == 1.0
 
 
 def test_difficulty_out_of_range_is_rejected():

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from opd_jax import envs
-from opd_jax.envs import Task, TaskSource, get_family, load_jsonl, save_jsonl
+from opd_jax.envs import TaskSource, get_family, load_jsonl, save_jsonl
 from opd_jax.envs.agent import ToolEnv, split_turns
 from opd_jax.envs.data import SCHEDULE_TURNS
 

@@ -128,14 +128,15 @@ def test_model_shape_overrides_init_from_would_ignore_are_refused(tmp_path, caps
 
 
 @pytest.mark.parametrize("override, msg", [
-    ("--config.teacher_level=2.0", "teacher_level=2.0: expected a number in (0, 1]"),
+    ("--config.val_n=0", "val_n=0: expected an int >= 1"),
     ("--config.seeds=(0, -1)", "seeds=(0, -1): element 1 (-1) expected an int >= 0"),
     ("--config.effort_schedule='ladder'", "effort_schedule='ladder': expected one of"),
     ("--config.eval.difficulty=7", "eval.difficulty=7: expected an int in [1, 5]"),
 ])
 def test_an_experiments_own_values_are_checked_before_writing(tmp_path, capsys, override, msg):
     """The probe: teacher_level=2.0 ran the whole experiment (the teacher-level bar then
-    meant twice the teacher's reward)."""
+    meant twice the teacher's reward); teacher_level is gone with the reward claims, the
+    check is the same for every experiment value."""
     workdir = tmp_path / "exp"
     argv = ["experiment", "--config", os.path.join(ROOT, "experiments/kimi_k3/config.py:smoke"),
             override, "--workdir", str(workdir), "--no-progress"]

@@ -2,7 +2,6 @@
 import math
 import os
 
-import jax.numpy as jnp
 import pytest
 
 from opd_jax.config import load_config
@@ -156,11 +155,11 @@ def test_tiny_presets_plans_unchanged():
     """The optional teacher cold start adds nothing unless c.teacher_sft is set."""
     k = recipe_module("kimi_k3").build(_load("kimi_k3", "reduced"), 0)
     assert [(s.name, s.init_from) for s in k] == [
-        ("sft_agent", None), ("rl_agent_max", "sft_agent"), ("rl_agent_high", "rl_agent_max"),
-        ("rl_agent_low", "rl_agent_high"), ("sft_general", None),
-        ("rl_general_max", "sft_general"), ("rl_general_high", "rl_general_max"),
-        ("rl_general_low", "rl_general_high"), ("student", None), ("merge_0.5", None),
-        ("merge_1", None)]
+        ("sft_coding", None), ("rl_coding_max", "sft_coding"),
+        ("rl_coding_high", "rl_coding_max"), ("rl_coding_low", "rl_coding_high"),
+        ("sft_general", None), ("rl_general_max", "sft_general"),
+        ("rl_general_high", "rl_general_max"), ("rl_general_low", "rl_general_high"),
+        ("student", None), ("merge_0.25", None), ("merge_0.5", None), ("merge_1", None)]
     d = recipe_module("deepseek_v4").build(_load("deepseek_v4", "reduced"), 0)
     assert [(s.name, s.init_from) for s in d] == [
         ("sft", None), ("sft_agent", "sft"), ("spec_agent", "sft_agent"), ("sft_code", "sft"),

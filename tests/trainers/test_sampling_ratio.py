@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from opd_jax import envs, losses
+from opd_jax import envs
 from opd_jax.models import ModelConfig, synthetic_tokenizer
 from opd_jax.episodes import SamplingConfig, play
 from opd_jax.trainers.objectives import LOGP_FLOOR, Behaviour, make_objective
