@@ -57,7 +57,7 @@ class EffortSpec:
 
 DEFAULT_EFFORTS: dict[str, EffortSpec] = {
     "low": EffortSpec("low", "<|low|>", think_budget=20, length_penalty=0.5),
-    "high": EffortSpec("high", "<|high|>", think_budget=32, length_penalty=0.2),
+    "high": EffortSpec("high", "<|high|>", think_budget=56, length_penalty=0.2),
     "max": EffortSpec("max", "<|max|>", think_budget=192, length_penalty=0.0),
 }
 # GLM-style thinking switch, set per prompt: thinking allowed (budget 64) or not at all.
