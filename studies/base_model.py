@@ -90,16 +90,33 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def card_table(summary: list[dict]) -> str:
-    lines = ["| family | difficulty | " + " | ".join(f"{e} reward" for e in EFFORTS) +
-             " | max pass rate | max length |",
-             "|---|---:|" + "---:|" * (len(EFFORTS) + 2)]
+    """Pass rate (verifier correctness) and reward (with the length penalty) per family,
+    difficulty and effort, means over the evaluation seeds (reward ± its std over seeds)."""
+    lines = ["| family | difficulty | " + " | ".join(f"{e} pass" for e in EFFORTS) + " | " +
+             " | ".join(f"{e} reward" for e in EFFORTS) + " | max length |",
+             "|---|---:|" + "---:|" * (2 * len(EFFORTS) + 1)]
     by = {(s["family"], s["difficulty"], s["effort"]): s for s in summary}
     for fam, d in dict.fromkeys((s["family"], s["difficulty"]) for s in summary):
         cells = [by[(fam, d, e)] for e in EFFORTS]
-        lines.append(f"| {fam} | {d} | " + " | ".join(
-            f"{c['reward_mean']:.3f} ± {c['reward_std']:.3f}" for c in cells) +
-            f" | {cells[-1]['pass_rate']:.3f} | {cells[-1]['length']:.0f} |")
+        lines.append(f"| {fam} | {d} | " + " | ".join(f"{c['pass_rate']:.3f}" for c in cells)
+                     + " | " + " | ".join(f"{c['reward_mean']:.3f} ± {c['reward_std']:.3f}"
+                                          for c in cells)
+                     + f" | {cells[-1]['length']:.0f} |")
     return "\n".join(lines)
+
+
+def recreate_command(argv) -> str:
+    """The command that re-creates this base (train, export, card): this invocation's
+    arguments without its --stage."""
+    args, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--stage":
+            skip = True
+        elif not a.startswith("--stage="):
+            args.append(a if " " not in a else f'"{a}"')
+    return "python -m studies.base_model " + " ".join(args)
 
 
 def dosed(card: dict) -> str:
@@ -146,7 +163,7 @@ problem can be in it (the split is a hash of the problem).{dosed(card)}
 
     {card['command']}
 
-**Held-out reward** (eval split, greedy, think budget enforced; mean ± std over evaluation
+**Held-out pass rate and reward** (eval split, greedy, think budget enforced; means, ± std over evaluation
 seeds {', '.join(map(str, card['eval']['seeds']))}, {card['eval']['n']} problems per cell and seed):
 
 {card_table(card['summary'])}
@@ -187,8 +204,7 @@ def main(argv=None) -> int:
             "steps": cfg.train.steps, "batch": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
             "lr": cfg.optim.lr, "train_wall_s": state.get("train_wall_s", float("nan")),
             "machine": "2 CPU cores (shared with other jobs)", "commit": code_commit(),
-            "command": "python -m studies.base_model " + " ".join(
-                argv if argv is not None else sys.argv[1:]),
+            "command": recreate_command(argv if argv is not None else sys.argv[1:]),
             "init_from": cfg.model.init_from,
             "eval": {"seeds": list(CARD_SEEDS), "n": args.eval_n, "sampling": CARD_SAMPLING,
                      "wall_s": time.time() - t0},

@@ -28,12 +28,9 @@ RECIPES = ("kimi_k3", "glm", "deepseek_v4", "real_smollm2")
 # carded on.
 TESTBED = {"general": "chain", "agent": "tool_chain", "coding": "code_trace"}
 EFFORTS = ("low", "high", "max")
-# The evaluation difficulty of each domain, read off the base's card (3 seeds x 16, eval
-# split): the lowest at which low < high < max by >= 0.10 each, with room left for RL below
-# max (chain d3 0.06 / 0.72 / 1.00; tool_chain d3 0.54 / 0.86 / 1.00; code_trace d3
-# 0.04 / 0.53 / 0.73). The first run used chain d4 and tool_chain d4 and measured (3 seeds x
-# 64) base high - low +0.059 on chain (the high budget is too short for most d4 chains) and
-# max - high +0.092 on tool_chain: both under the margin (experiments/testbed/results/d4/).
+# The evaluation difficulty of each domain: where the base's corpus is dosed (few demos, none
+# above: the teacher cells' headroom, experiments/dose) and where the effort budgets sit inside
+# two adjacent scratchpad forms' lengths (docs/testbed.md; tests/envs/test_splits.py).
 EVAL_DIFFICULTY = {"general": 3, "agent": 3, "coding": 3}
 # The testbed's sampling: enough new tokens per turn for the max budget (192) and an answer;
 # turns for 8 lookups.
