@@ -31,12 +31,11 @@ import numpy as np
 from flax import nnx
 
 from opd_jax import envs
-from opd_jax.episodes import SamplingConfig, build_sequences
+from opd_jax.episodes import build_sequences
 from opd_jax.models import ModelRef, Transformer, bos_ids
 from opd_jax.recipes import report as rp
 from opd_jax.recipes.pipeline import Stage, stage_dir
 from opd_jax.rollout import generate
-from opd_jax.trainers.evaluate import evaluate_tasks
 
 START = "builtin:smollm2"
 EFFORT = envs.CHAT_EFFORT.name
@@ -108,28 +107,17 @@ def merge_name(scale: float) -> str:
 
 # -- evaluation ----------------------------------------------------------------------------
 def evaluate(c, sw: str, name: str, path: str | None, tokenizer, *, split: str) -> dict:
-    """{domain: {"pass", "rewards"}} of a model on `split` problems ("eval": the held-out
-    evaluation, drawn by c.eval.seed; "train": the merge's validation set, another draw),
-    cached in the stage folder (`path`: a checkpoint that is no stage, e.g. the start)."""
-    out_dir = stage_dir(sw, name)
-    cache = os.path.join(out_dir, f"eval_{split}_n{c.eval.n if split == 'eval' else c.val_n}"
-                                  f"_d{c.eval.difficulty}.json")
-    if os.path.isfile(cache):
-        with open(cache, encoding="utf-8") as f:
-            return json.load(f)
-    n = c.eval.n if split == "eval" else c.val_n
-    seed = c.eval.seed if split == "eval" else c.eval.seed + 1_000
-    tasks = [t for d, fam in dict(c.domains).items()
-             for t in envs.TaskSource(fam, size=n, seed=seed, difficulty=c.eval.difficulty,
-                                      effort=EFFORT, split=split)]
-    model = ModelRef(path or out_dir).load()
-    rows = evaluate_tasks(model, tokenizer, tasks, SamplingConfig(**dict(c.eval.sampling)),
-                          seed=seed, batch_size=c.eval.batch_size)
-    res = {r["cell"].split("/")[0]: {"pass": r["pass_rate"], "rewards": r["rewards"],
-                                     "length": r["length"]} for r in rows}
-    os.makedirs(out_dir, exist_ok=True)
-    rp.write_json(cache, res)
-    return res
+    """{domain: {"pass", "rewards", "length"}} of a model on `split` problems ("eval": the
+    held-out evaluation, drawn by c.eval.seed; "train": the merge's validation set, another
+    draw), cached in the stage folder (`path`: a checkpoint that is no stage, e.g. the
+    start; `report.evaluate_stage`)."""
+    cells = [(d, fam, EFFORT) for d, fam in dict(c.domains).items()]
+    rows = rp.evaluate_stage(sw, name, cells, c.eval, tokenizer=tokenizer,
+                             difficulty=c.eval.difficulty, path=path, split=split,
+                             seed=c.eval.seed if split == "eval" else c.eval.seed + 1_000,
+                             n=c.eval.n if split == "eval" else c.val_n)
+    return {cell.split("/")[0]: {"pass": r["pass_rate"], "rewards": r["rewards"],
+                                 "length": r["length"]} for cell, r in rows.items()}
 
 
 def _logprobs(model, seqs: dict, chunk: int = 8) -> np.ndarray:

@@ -137,10 +137,10 @@ def paired(a: Sequence[float], b: Sequence[float]) -> dict:
 
 def stage_cost(workdir: str, stage: Stage) -> dict:
     """What a finished stage cost: wall seconds, optimizer steps, rollouts and FLOPs (total
-    and per part; `trainers.compute`), from its done.json (its compute.json for a record
-    written before done.json kept it). A merge computes nothing worth counting (0 FLOPs)."""
+    and per part; `trainers.compute`), from its done.json. A merge computes nothing worth
+    counting (0 FLOPs)."""
     done = read_done(workdir, stage.name)
-    rec = done.get("compute") or compute_lib.read(stage_dir(workdir, stage.name))
+    rec = done.get("compute")
     if rec is None and stage.kind != "merge":
         raise ValueError(f"stage {stage.name!r} in {workdir!r} has no compute record "
                          f"(compute.json): it finished before compute was counted; re-run it")

@@ -67,15 +67,16 @@ def aggregate(episodes) -> list[dict]:
     rows = []
     for cell, eps in cells.items():
         t = eps[0].task
+        passes = [float(e.info.get("correct", 0.0)) for e in eps]
         rows.append({
             "cell": cell, "domain": t.domain, "effort": t.effort, "family": t.family,
             "difficulty": int(t.meta.get("difficulty", 0)), "n": len(eps),
             "reward": float(np.mean([e.reward for e in eps])),
-            "pass_rate": float(np.mean([float(e.info.get("correct", 0.0)) for e in eps])),
+            "pass_rate": float(np.mean(passes)),
             "length": float(np.mean([e.sampled_tokens for e in eps])),
             # per task, in task order: paired comparisons of two models on the same problems
             "rewards": [float(e.reward) for e in eps],
-            "passes": [float(e.info.get("correct", 0.0)) for e in eps],
+            "passes": passes,
         })
     return rows
 
