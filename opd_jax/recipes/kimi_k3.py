@@ -411,7 +411,8 @@ def plot(c: ml_collections.ConfigDict, workdir: str, results: dict) -> None:
                         {"y": p["merge"], "label": "merge (validation-tuned)", "color": "r"},
                         {"y": p["start"], "label": "start", "color": "gray"}]
     rp.plot_curves(os.path.join(workdir, "curves.png"), curves,
-                   title=f"kimi_k3: student held-out pass rate per cell (seed {seed})")
+                   title=f"kimi_k3: student held-out pass rate per cell (seed {seed})",
+                   ylabel="held-out pass rate")
     rp.plot_bars(os.path.join(workdir, "retention.png"), names, {
         "student": [t["retention"][k] for k in names],
         "merge": [t["merge_retention"][k] for k in names]},

@@ -1,0 +1,241 @@
+"""Why does the kimi_k3 student keep so little of its teachers' gains? Student variants on a
+finished run's teachers.
+
+For each seed of a finished ``kimi_k3`` run, each variant re-trains the student stage from
+that stage's own config (same start, teachers, cells, seed) with a patch: the objective, the
+learning rate, the iterations, the rollouts per optimizer step, the rollout temperature.
+Every variant is evaluated greedily on the run's own held-out problems of that seed (the
+report's draw), so its rows are paired per problem with the run's start, teachers and
+validation-tuned merge. The table gives, per variant, the pass rate and the share of the
+teacher's gain kept per cell, the mean and worst share, student - merge, and what the
+variant cost (optimizer steps, rollouts, FLOPs, wall seconds).
+
+    opd-jax experiment --config experiments/kimi_k3/config.py:reduced --workdir runs/kimi_k3
+    python -m studies.student_sweep --workdir runs/kimi_k3 --seeds 0 \
+        --variants preset,full_vocab,seq_mean,one_minibatch,lr_2e-4,temp_0.7
+
+A variant trains into ``<workdir>/seed<s>/sweep_<name>`` (resumes from its checkpoints;
+finished evaluations are cached there). Results: ``<workdir>/student_sweep/results.json``
+(every per-problem pass, with seeds, commit, command, wall time) and ``results.md`` (its
+tables, written from it by this module); the committed copy is
+``experiments/kimi_k3/student_sweep/``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import ml_collections
+import numpy as np
+
+from opd_jax import envs
+from opd_jax.models import build_tokenizer
+from opd_jax.recipes import kimi_k3
+from opd_jax.recipes import report as rp
+from opd_jax.recipes.pipeline import stage_dir
+from opd_jax.trainers import compute as compute_lib
+from opd_jax.trainers import run_policy
+
+# name -> (what it changes, a nested patch of the student stage's config; a key written
+# "=key" replaces that section whole instead of updating it). "preset" is the run's own
+# student stage, not re-trained.
+VARIANTS: dict[str, tuple[str, dict | None]] = {
+    "preset": ("the preset's student (the run's own stage)", None),
+    "full_vocab": ("full-vocabulary reverse KL (deepseek_full_vocab objective, routed per "
+                   "cell), lr 3e-4 with cosine decay (learning_check's setting)",
+                   {"=objective": {"name": "deepseek_full_vocab", "options": {}},
+                    "optim": {"lr": 3e-4, "schedule": "cosine"}}),
+    "seq_mean": ("every sequence weighted equally (aggregation seq_mean), not every token",
+                 {"objective": {"options": {"aggregation": "seq_mean"}}}),
+    "one_minibatch": ("one optimizer step per iteration on all 64 rollouts, 60 iterations "
+                      "(60 steps of 64 rollouts against 120 of 16)",
+                      {"rl": {"minibatches": 1}, "train": {"steps": 60}}),
+    "lr_2e-4": ("lr 2e-4", {"optim": {"lr": 2e-4}}),
+    "temp_0.7": ("rollouts sampled at temperature 0.7 (the loss still compares the T = 1 "
+                 "student with the teacher)",
+                 {"rollout": {"sampling": {"temperature": 0.7}}}),
+    "full_vocab_1e-3": ("full_vocab at lr 1e-3 with cosine decay (the specialists' SFT lr)",
+                        {"=objective": {"name": "deepseek_full_vocab", "options": {}},
+                         "optim": {"lr": 1e-3, "schedule": "cosine"}}),
+    "full_vocab_60": ("full_vocab for 60 iterations",
+                      {"=objective": {"name": "deepseek_full_vocab", "options": {}},
+                       "optim": {"lr": 3e-4, "schedule": "cosine"}, "train": {"steps": 60}}),
+    "iters_60": ("the preset for 60 iterations", {"train": {"steps": 60}}),
+}
+
+
+def patched(cfg: dict, patch: dict) -> dict:
+    """`cfg` updated by `patch` (nested update; a key "=k" replaces section k whole)."""
+    out = json.loads(json.dumps(cfg))
+    for key, value in patch.items():
+        if key.startswith("="):
+            out[key[1:]] = value
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = patched(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def stage_name(variant: str) -> str:
+    return "student" if variant == "preset" else f"sweep_{variant}"
+
+
+def train_variant(sw: str, variant: str) -> dict:
+    """Train (or resume, or find done) a variant in seed folder `sw`; its cost record."""
+    if variant not in VARIANTS:
+        raise KeyError(f"variant {variant!r}: expected one of {sorted(VARIANTS)}")
+    name = stage_name(variant)
+    out = stage_dir(sw, name)
+    done = os.path.join(out, "done.json")
+    if not os.path.isfile(done):
+        with open(os.path.join(stage_dir(sw, "student"), "config.json"), encoding="utf-8") as f:
+            cfg = patched(json.load(f), VARIANTS[variant][1])
+        t0 = time.time()
+        run_policy.train_policy(ml_collections.ConfigDict(cfg), out, progress=True)
+        c = ml_collections.ConfigDict(cfg)
+        rp.write_json(done, {"stage": name, "kind": "opd", "wall_s": round(time.time() - t0, 1),
+                             "iterations": int(c.train.steps),
+                             "optimizer_steps": int(c.train.steps * c.rl.ppo_epochs
+                                                    * c.rl.minibatches),
+                             "compute": compute_lib.read(out)})
+    with open(done, encoding="utf-8") as f:
+        rec = json.load(f)
+    comp = rec.get("compute") or {}
+    return {"wall_s": rec["wall_s"], "optimizer_steps": rec["optimizer_steps"],
+            "rollouts": comp.get("tokens", {}).get("rollouts", 0),
+            "flops": comp.get("flops", {}).get("total", float("nan"))}
+
+
+def run(c: ml_collections.ConfigDict, workdir: str, seeds, variants) -> dict:
+    """Every variant of every seed, trained and evaluated: results.json's dict."""
+    t0 = time.time()
+    tok = build_tokenizer(c.tokenizer)
+    cells = [(d, fam, e) for d, fam in dict(c.domains).items() for e in c.efforts]
+    per_seed = []
+    for seed in seeds:
+        sw = os.path.join(workdir, f"seed{seed}")
+        if not os.path.isfile(os.path.join(stage_dir(sw, "student"), "done.json")):
+            raise FileNotFoundError(f"{sw}: no finished kimi_k3 student stage; run the "
+                                    f"experiment for seed {seed} first")
+        stages = kimi_k3.build(c, seed)
+        routed = kimi_k3.routed_teachers(stages)
+        es = kimi_k3.eval_seed(c, seed)
+
+        def evs(stage, cs, path=None):
+            return rp.evaluate_stage(sw, stage, cs, c.eval, tokenizer=tok,
+                                     difficulty=c.eval.difficulty, seed=es, n=c.eval.n,
+                                     path=path)
+        val = {s.name: float(np.mean([r["pass_rate"] for r in rp.evaluate_stage(
+            sw, s.name, cells, c.eval, tokenizer=tok, difficulty=c.eval.difficulty,
+            split="train", seed=kimi_k3.validation_seed(c, seed), n=c.val_n).values()]))
+            for s in stages if s.kind == "merge"}
+        merge = max(val, key=val.get)
+        keep = lambda rows: {k: r["passes"] for k, r in rows.items()}
+        models = {"start": keep(evs("start", cells, path=kimi_k3.start_path(c))),
+                  "teacher": {envs.cell_name(d, e): evs(routed[envs.cell_name(d, e)],
+                                                        [(d, fam, e)])[envs.cell_name(d, e)]
+                              ["passes"] for d, fam, e in cells},
+                  "merge": keep(evs(merge, cells))}
+        costs = {}
+        for v in variants:
+            costs[v] = train_variant(sw, v)
+            models[v] = keep(evs(stage_name(v), cells))
+        per_seed.append({"seed": seed, "eval_seed": es, "merge_chosen": merge,
+                         "models": models, "cost": costs})
+    return {"seeds": list(seeds), "variants": {v: VARIANTS[v][0] for v in variants},
+            "eval": rp.eval_meta(c.eval) | {"per_seed_problems": True},
+            "per_seed": per_seed, "wall_s": round(time.time() - t0, 1)}
+
+
+def summarize(results: dict) -> dict:
+    """Per variant: pass, gain kept and student - merge per cell (pooled over seeds, paired
+    per problem), the mean and worst gain kept, the mean cost per seed."""
+    ps = results["per_seed"]
+    cells = list(ps[0]["models"]["start"])
+    pooled = lambda who, cell: [x for s in ps for x in s["models"][who][cell]]
+    out = {}
+    for v in results["variants"]:
+        rows = {}
+        for cell in cells:
+            st, te, me, me_v = (pooled("start", cell), pooled("teacher", cell),
+                                pooled("merge", cell), pooled(v, cell))
+            gain = float(np.mean(te) - np.mean(st))
+            rows[cell] = {"pass": float(np.mean(me_v)),
+                          "kept": rp.ratio(float(np.mean(me_v) - np.mean(st)), gain)
+                          if gain > 0 else float("nan"),
+                          "vs_merge": rp.paired(me_v, me)}
+        kept = [r["kept"] for r in rows.values()]
+        cost = {k: float(np.mean([s["cost"][v][k] for s in ps]))
+                for k in ("wall_s", "optimizer_steps", "rollouts", "flops")}
+        out[v] = {"cells": rows, "mean_kept": rp.finite_mean(kept),
+                  "worst_kept": float(np.nanmin(kept)), "cost": cost}
+    ref = {m: {cell: float(np.mean(pooled(m, cell))) for cell in cells}
+           for m in ("start", "teacher", "merge")}
+    return {"variants": out, "reference": ref, "cells": cells}
+
+
+def report_md(results: dict) -> str:
+    s = summarize(results)
+    cells, ref = s["cells"], s["reference"]
+    n = results["eval"]["n"] * len(results["seeds"])
+    lines = [f"# kimi_k3 student sweep (seeds {results['seeds']})", "",
+             f"Command `{results['command']}`; commit {results['commit']}; wall "
+             f"{results['wall_s']:.0f} s (this invocation; training seconds per variant "
+             f"below). Pass rate on the run's held-out problems ({n} per cell, greedy, "
+             f"difficulty {results['eval']['difficulty']}), paired per problem with the "
+             f"run's start, teachers and validation-tuned merge; gain kept = (variant - "
+             f"start) / (teacher - start).", "",
+             rp.markdown_table(["model", *cells], [[m, *[f"{ref[m][c]:.3f}" for c in cells]]
+                                                   for m in ("start", "teacher", "merge")]),
+             "", "Pass rate / gain kept per cell:", ""]
+    rows = [[v, *[f"{r['cells'][c]['pass']:.3f} / {r['cells'][c]['kept']:.0%}" for c in cells],
+             f"{r['mean_kept']:.1%}", f"{r['worst_kept']:.1%}"]
+            for v, r in s["variants"].items()]
+    lines += [rp.markdown_table(["variant", *cells, "mean kept", "worst kept"], rows), "",
+              "Variant - merge (se) per cell, and cost per seed:", ""]
+    rows = [[v, *[f"{r['cells'][c]['vs_merge']['diff']:+.3f} ({r['cells'][c]['vs_merge']['se']:.3f})"
+                  for c in cells], f"{r['cost']['optimizer_steps']:.0f}",
+             f"{r['cost']['rollouts']:.0f}", compute_lib.format_flops(r['cost']['flops']),
+             f"{r['cost']['wall_s']:.0f}"] for v, r in s["variants"].items()]
+    lines += [rp.markdown_table(["variant", *cells, "optimizer steps", "rollouts", "FLOPs",
+                                 "wall s"], rows), "", "Variants:", ""]
+    lines += [f"- `{v}`: {d}" for v, d in results["variants"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(workdir: str, results: dict, command: str) -> str:
+    out = os.path.join(workdir, "student_sweep")
+    os.makedirs(out, exist_ok=True)
+    results = {**results, "command": command, "commit": rp.code_commit()}
+    rp.write_json(os.path.join(out, "results.json"), results)
+    md = report_md(results)
+    with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
+        f.write(md)
+    return md
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", default="runs/kimi_k3")
+    p.add_argument("--preset", default="reduced", help="the kimi_k3 preset the run used")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    args = p.parse_args(argv)
+    from experiments.kimi_k3.config import get_config
+    seeds = tuple(int(x) for x in args.seeds.split(","))
+    variants = tuple(args.variants.split(","))
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; expected some of {sorted(VARIANTS)}")
+    results = run(get_config(args.preset), args.workdir, seeds, variants)
+    print(write_results(args.workdir, results,
+                        "python -m studies.student_sweep " + " ".join(argv or sys.argv[1:])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
