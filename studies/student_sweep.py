@@ -37,7 +37,7 @@ from opd_jax.recipes import kimi_k3
 from opd_jax.recipes import report as rp
 from opd_jax.recipes.pipeline import stage_dir
 from opd_jax.trainers import compute as compute_lib
-from opd_jax.trainers import run_policy
+from opd_jax.trainers import config_schema, run_policy
 
 # name -> (what it changes, a nested patch of the student stage's config; a key written
 # "=key" replaces that section whole instead of updating it). "preset" is the run's own
@@ -93,10 +93,10 @@ def train_variant(sw: str, variant: str) -> dict:
     done = os.path.join(out, "done.json")
     if not os.path.isfile(done):
         with open(os.path.join(stage_dir(sw, "student"), "config.json"), encoding="utf-8") as f:
-            cfg = patched(json.load(f), VARIANTS[variant][1])
+            c = ml_collections.ConfigDict(patched(json.load(f), VARIANTS[variant][1]))
+        config_schema.validate(c, where=f"student_sweep variant {variant!r}")
         t0 = time.time()
-        run_policy.train_policy(ml_collections.ConfigDict(cfg), out, progress=True)
-        c = ml_collections.ConfigDict(cfg)
+        run_policy.train_policy(c, out, progress=True)
         rp.write_json(done, {"stage": name, "kind": "opd", "wall_s": round(time.time() - t0, 1),
                              "iterations": int(c.train.steps),
                              "optimizer_steps": int(c.train.steps * c.rl.ppo_epochs
@@ -172,7 +172,7 @@ def summarize(results: dict) -> dict:
         cost = {k: float(np.mean([s["cost"][v][k] for s in ps]))
                 for k in ("wall_s", "optimizer_steps", "rollouts", "flops")}
         out[v] = {"cells": rows, "mean_kept": rp.finite_mean(kept),
-                  "worst_kept": float(np.nanmin(kept)), "cost": cost}
+                  "worst_kept": min((k for k in kept if np.isfinite(k)), default=float("nan")), "cost": cost}
     ref = {m: {cell: float(np.mean(pooled(m, cell))) for cell in cells}
            for m in ("start", "teacher", "merge")}
     return {"variants": out, "reference": ref, "cells": cells}

@@ -71,5 +71,28 @@ def test_recipe_smoke(tmp_path, recipe, capsys):
     # the resumed stage's compute continued from its checkpoint: the same counts
     if recipe == "kimi_k3":
         assert results["per_seed"][0]["stages"][last.name]["flops"] > 0
+        _check_student_sweep(c, tmp_path)
     assert json.dumps(again, sort_keys=True, default=str) == json.dumps(results, sort_keys=True,
                                                                           default=str)
+
+
+def _check_student_sweep(c, tmp_path):
+    """studies.student_sweep on the finished smoke run: a variant re-trains the student with
+    its patch (here seq_mean), the preset row is the run's own student, the rows pair with
+    the run's start / teachers / merge, and results.md is a function of results.json."""
+    from studies import student_sweep as sweep
+    res = sweep.run(c, str(tmp_path), (0,), ("preset", "seq_mean"))
+    cfg = json.load(open(tmp_path / "seed0" / "sweep_seq_mean" / "config.json"))
+    assert cfg["objective"]["options"]["aggregation"] == "seq_mean"
+    assert json.load(open(tmp_path / "seed0" / "student" / "config.json"))[
+        "objective"]["options"]["aggregation"] == "token_mean"
+    models = res["per_seed"][0]["models"]
+    n = c.eval.n
+    assert set(models) == {"start", "teacher", "merge", "preset", "seq_mean"}
+    assert all(len(v) == n for m in models.values() for v in m.values())
+    s = sweep.summarize(res)
+    assert s["variants"]["seq_mean"]["cost"]["optimizer_steps"] == (
+        c.student.train.steps * c.student.rl.minibatches)
+    md = sweep.write_results(str(tmp_path), res, "test")
+    again = json.load(open(tmp_path / "student_sweep" / "results.json"))
+    assert sweep.report_md(again) == md and "| seq_mean |" in md

@@ -1,0 +1,37 @@
+"""studies.student_sweep's patches: what a variant changes and that every variant's config is
+valid before any training (the end-to-end run is in test_recipes_smoke's kimi_k3 case)."""
+import json
+import os
+
+import ml_collections
+import pytest
+
+from opd_jax.config import load_config
+from opd_jax.recipes import recipe_module
+from opd_jax.recipes.pipeline import resolved_config
+from opd_jax.trainers import config_schema
+from studies import student_sweep as sweep
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_patched_updates_nested_and_replaces_marked_sections():
+    cfg = {"optim": {"lr": 1e-4, "b1": 0.9}, "objective": {"name": "a", "options": {"x": 1}}}
+    out = sweep.patched(cfg, {"optim": {"lr": 3e-4}, "=objective": {"name": "b", "options": {}}})
+    assert out == {"optim": {"lr": 3e-4, "b1": 0.9}, "objective": {"name": "b", "options": {}}}
+    assert cfg["optim"]["lr"] == 1e-4 and cfg["objective"]["options"] == {"x": 1}  # untouched
+
+
+@pytest.mark.parametrize("variant", [v for v, (_, p) in sweep.VARIANTS.items() if p])
+def test_every_variant_is_a_valid_student_config(variant, tmp_path):
+    c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:reduced"))
+    student = next(s for s in recipe_module("kimi_k3").build(c, 0) if s.name == "student")
+    cfg = json.loads(json.dumps(resolved_config(student, str(tmp_path)).to_dict()))
+    out = ml_collections.ConfigDict(sweep.patched(cfg, sweep.VARIANTS[variant][1]))
+    config_schema.validate(out)
+    assert out.to_dict() != cfg
+
+
+def test_unknown_variant_is_refused_by_name(tmp_path):
+    with pytest.raises(KeyError, match="no_such"):
+        sweep.train_variant(str(tmp_path), "no_such")
