@@ -32,6 +32,7 @@ import ml_collections
 import numpy as np
 
 from opd_jax import envs
+from opd_jax.config import load_config
 from opd_jax.models import build_tokenizer
 from opd_jax.recipes import kimi_k3
 from opd_jax.recipes import report as rp
@@ -221,17 +222,17 @@ def write_results(workdir: str, results: dict, command: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="runs/kimi_k3")
-    p.add_argument("--preset", default="reduced", help="the kimi_k3 preset the run used")
+    p.add_argument("--config", default="experiments/kimi_k3/config.py:reduced",
+                   help="the kimi_k3 config (file:preset) the run used")
     p.add_argument("--seeds", default="0")
     p.add_argument("--variants", default=",".join(VARIANTS))
     args = p.parse_args(argv)
-    from experiments.kimi_k3.config import get_config
     seeds = tuple(int(x) for x in args.seeds.split(","))
     variants = tuple(args.variants.split(","))
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; expected some of {sorted(VARIANTS)}")
-    results = run(get_config(args.preset), args.workdir, seeds, variants)
+    results = run(load_config(args.config), args.workdir, seeds, variants)
     print(write_results(args.workdir, results,
                         "python -m studies.student_sweep " + " ".join(argv or sys.argv[1:])))
     return 0
