@@ -6,6 +6,7 @@ import os
 import pytest
 
 from opd_jax.recipes import recipe_module
+from studies import student_sweep
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,3 +31,21 @@ def test_results_md_is_regenerated_from_results_json(recipe, where, seeds, tmp_p
     prov = results["provenance"]
     assert prov["commit"] != "unknown" and prov["stages_wall_s"] > 0
     assert results["seeds"] == seeds
+
+
+SWEEPS = sorted(d for d in os.listdir(os.path.join(ROOT, "experiments", "kimi_k3"))
+                if d.startswith("student_sweep"))
+
+
+@pytest.mark.parametrize("where", SWEEPS)
+def test_student_sweep_md_is_regenerated_from_results_json(where):
+    folder = os.path.join(ROOT, "experiments", "kimi_k3", where)
+    with open(os.path.join(folder, "results.json"), encoding="utf-8") as f:
+        results = json.load(f)
+    with open(os.path.join(folder, "results.md"), encoding="utf-8") as f:
+        assert student_sweep.report_md(results) == f.read()
+    assert results["commit"] != "unknown" and "preset" in results["variants"]
+    # every row pairs with the run's own problems: as many per cell as the evaluation drew
+    n = results["eval"]["n"]
+    for s in results["per_seed"]:
+        assert all(len(v) == n for m in s["models"].values() for v in m.values())
