@@ -130,10 +130,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, seeds, variants) -> dict:
             return rp.evaluate_stage(sw, stage, cs, c.eval, tokenizer=tok,
                                      difficulty=c.eval.difficulty, seed=es, n=c.eval.n,
                                      path=path)
-        val = {s.name: float(np.mean([r["pass_rate"] for r in rp.evaluate_stage(
-            sw, s.name, cells, c.eval, tokenizer=tok, difficulty=c.eval.difficulty,
-            split="train", seed=kimi_k3.validation_seed(c, seed), n=c.val_n).values()]))
-            for s in stages if s.kind == "merge"}
+        val = kimi_k3.merge_validation(c, sw, stages, seed, tok)
         merge = max(val, key=val.get)
         keep = lambda rows: {k: r["passes"] for k, r in rows.items()}
         models = {"start": keep(evs("start", cells, path=kimi_k3.start_path(c))),
@@ -173,7 +170,8 @@ def summarize(results: dict) -> dict:
         cost = {k: float(np.mean([s["cost"][v][k] for s in ps]))
                 for k in ("wall_s", "optimizer_steps", "rollouts", "flops")}
         out[v] = {"cells": rows, "mean_kept": rp.finite_mean(kept),
-                  "worst_kept": min((k for k in kept if np.isfinite(k)), default=float("nan")), "cost": cost}
+                  "worst_kept": min((k for k in kept if np.isfinite(k)), default=float("nan")),
+                  "cost": cost}
     ref = {m: {cell: float(np.mean(pooled(m, cell))) for cell in cells}
            for m in ("start", "teacher", "merge")}
     return {"variants": out, "reference": ref, "cells": cells}

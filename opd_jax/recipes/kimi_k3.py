@@ -174,6 +174,17 @@ def validation_seed(c: ml_collections.ConfigDict, seed: int) -> int:
 
 
 # -- evaluation ------------------------------------------------------------------------------
+def merge_validation(c: ml_collections.ConfigDict, sw: str, stages: list[Stage], seed: int,
+                     tokenizer) -> dict[str, float]:
+    """{merge stage: mean pass rate over the cells} on the seed's validation draw (train
+    split, `c.val_n` problems per cell); the report keeps the best."""
+    cells = [(d, fam, e) for d, fam in dict(c.domains).items() for e in c.efforts]
+    return {s.name: float(np.mean([r["pass_rate"] for r in rp.evaluate_stage(
+        sw, s.name, cells, c.eval, tokenizer=tokenizer, difficulty=c.eval.difficulty,
+        split="train", seed=validation_seed(c, seed), n=c.val_n).values()]))
+        for s in stages if s.kind == "merge"}
+
+
 def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dict:
     """Evaluate every seed's models into results.json's dict (`report.report` adds the
     claims and the provenance).
@@ -194,19 +205,14 @@ def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dic
         routed = routed_teachers(stages)
         es, vs = eval_seed(c, seed), validation_seed(c, seed)
 
-        def evs(stage, cs, split="eval", path=None):
+        def evs(stage, cs, path=None):
             return rp.evaluate_stage(sw, stage, cs, ev, tokenizer=tokenizer, difficulty=diff,
-                                     path=path, split=split,
-                                     seed=es if split == "eval" else vs,
-                                     n=ev.n if split == "eval" else c.val_n)
+                                     path=path, seed=es, n=ev.n)
         start = stages[0].name if stages and stages[0].name == "sft" else None
         models = {"start": evs(start or "start", cells,
                                path=None if start else start_path(c)),
                   "student": evs("student", cells)}
-        val = {}
-        for s in (s for s in stages if s.kind == "merge"):
-            rows = evs(s.name, cells, split="train")
-            val[s.name] = float(np.mean([r["pass_rate"] for r in rows.values()]))
+        val = merge_validation(c, sw, stages, seed, tokenizer)
         best = max(val, key=val.get)
         models["merge"] = evs(best, cells)
         teacher = {cell: evs(routed[cell], [(d, fam, e)])[cell]
