@@ -23,6 +23,7 @@ tables, written from it by this module); the committed copy is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -36,9 +37,9 @@ from opd_jax.config import load_config
 from opd_jax.models import build_tokenizer
 from opd_jax.recipes import kimi_k3
 from opd_jax.recipes import report as rp
-from opd_jax.recipes.pipeline import stage_dir
+from opd_jax.recipes.pipeline import Stage, run_stage, stage_dir
 from opd_jax.trainers import compute as compute_lib
-from opd_jax.trainers import config_schema, run_policy
+from opd_jax.trainers import config_schema
 
 # name -> (what it changes, a nested patch of the student stage's config; a key written
 # "=key" replaces that section whole instead of updating it). "preset" is the run's own
@@ -70,7 +71,7 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
 
 def patched(cfg: dict, patch: dict) -> dict:
     """`cfg` updated by `patch` (nested update; a key "=k" replaces section k whole)."""
-    out = json.loads(json.dumps(cfg))
+    out = json.loads(json.dumps(cfg))     # a deep copy, tuples as lists (config.json's form)
     for key, value in patch.items():
         if key.startswith("="):
             out[key[1:]] = value
@@ -85,26 +86,24 @@ def stage_name(variant: str) -> str:
     return "student" if variant == "preset" else f"sweep_{variant}"
 
 
-def train_variant(sw: str, variant: str) -> dict:
-    """Train (or resume, or find done) a variant in seed folder `sw`; its cost record."""
+def variant_stage(c: ml_collections.ConfigDict, seed: int, variant: str) -> Stage:
+    """The seed's student stage with the variant's patch (the preset: the stage itself);
+    its config checked before any work."""
     if variant not in VARIANTS:
         raise KeyError(f"variant {variant!r}: expected one of {sorted(VARIANTS)}")
-    name = stage_name(variant)
-    out = stage_dir(sw, name)
-    done = os.path.join(out, "done.json")
-    if not os.path.isfile(done):
-        with open(os.path.join(stage_dir(sw, "student"), "config.json"), encoding="utf-8") as f:
-            c = ml_collections.ConfigDict(patched(json.load(f), VARIANTS[variant][1]))
-        config_schema.validate(c, where=f"student_sweep variant {variant!r}")
-        t0 = time.time()
-        run_policy.train_policy(c, out, progress=True)
-        rp.write_json(done, {"stage": name, "kind": "opd", "wall_s": round(time.time() - t0, 1),
-                             "iterations": int(c.train.steps),
-                             "optimizer_steps": int(c.train.steps * c.rl.ppo_epochs
-                                                    * c.rl.minibatches),
-                             "compute": compute_lib.read(out)})
-    with open(done, encoding="utf-8") as f:
-        rec = json.load(f)
+    student = next(s for s in kimi_k3.build(c, seed) if s.name == "student")
+    patch = VARIANTS[variant][1]
+    if patch is None:
+        return student
+    cfg = ml_collections.ConfigDict(patched(student.config.to_dict(), patch))
+    config_schema.validate(cfg, where=f"student_sweep variant {variant!r}")
+    return dataclasses.replace(student, name=stage_name(variant), config=cfg)
+
+
+def train_variant(c: ml_collections.ConfigDict, sw: str, seed: int, variant: str) -> dict:
+    """Train (or resume, or find done: the pipeline's `run_stage`, which refuses a finished
+    folder run with other settings) a variant in seed folder `sw`; its cost record."""
+    rec = run_stage(variant_stage(c, seed, variant), sw)
     comp = rec.get("compute") or {}
     return {"wall_s": rec["wall_s"], "optimizer_steps": rec["optimizer_steps"],
             "rollouts": comp.get("tokens", {}).get("rollouts", 0),
@@ -140,7 +139,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, seeds, variants) -> dict:
                   "merge": keep(evs(merge, cells))}
         costs = {}
         for v in variants:
-            costs[v] = train_variant(sw, v)
+            costs[v] = train_variant(c, sw, seed, v)
             models[v] = keep(evs(stage_name(v), cells))
         per_seed.append({"seed": seed, "eval_seed": es, "merge_chosen": merge,
                          "models": models, "cost": costs})

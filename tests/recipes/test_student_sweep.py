@@ -33,5 +33,6 @@ def test_every_variant_is_a_valid_student_config(variant, tmp_path):
 
 
 def test_unknown_variant_is_refused_by_name(tmp_path):
+    c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:smoke"))
     with pytest.raises(KeyError, match="no_such"):
-        sweep.train_variant(str(tmp_path), "no_such")
+        sweep.train_variant(c, str(tmp_path), 0, "no_such")
