@@ -223,6 +223,8 @@ def estimate(c: ml_collections.ConfigDict, *, trace: bool = True) -> list[dict]:
             if hidden:
                 cache += sum(E * V * 2 for E, V in teacher_dims)
                 cache_per_token = sum(geo.rows * E * 2 for E, _ in teacher_dims)
+            elif needs.teacher == "topk":             # K ids (int32) + K log-probs (fp32)
+                cache_per_token = geo.rows * 8 * int(cfg.objective.options.top_k)
             else:
                 cache_per_token = geo.rows * 4          # teacher log-probs of the iteration
         if needs is not None and needs.reference and \

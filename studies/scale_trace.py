@@ -110,8 +110,9 @@ def _sds(shape, dtype) -> jax.ShapeDtypeStruct:
 
 
 def _batch(kind: str, objective: str | None, rows: int, T: int, teacher_dims: tuple,
-           teacher_dtype: str) -> tuple[dict, tuple]:
-    """An abstract batch (and teacher unembeddings) with every key the stage's step reads."""
+           teacher_dtype: str, top_k: int = 0) -> tuple[dict, tuple]:
+    """An abstract batch (and teacher unembeddings) with every key the stage's step reads
+    (`top_k`: the top-k signal's K)."""
     i32, f32 = (lambda: _sds((rows, T), jnp.int32)), (lambda: _sds((rows, T), jnp.float32))
     batch = dict(inputs=i32(), targets=i32(), mask=i32(), segment_ids=i32())
     if kind == "sft":
@@ -126,7 +127,16 @@ def _batch(kind: str, objective: str | None, rows: int, T: int, teacher_dims: tu
         return batch, tuple(_sds((E, V), teacher_dtype) for E, V in teacher_dims)
     if teacher == "logp":
         batch |= dict(teacher_logp=f32(), teacher_onehot=_sds((rows, S), jnp.float32))
+    if teacher == "topk":
+        batch |= dict(teacher_topk_ids=_sds((rows, T, top_k), jnp.int32),
+                      teacher_topk_logp=_sds((rows, T, top_k), jnp.float32),
+                      teacher_onehot=_sds((rows, S), jnp.float32))
     return batch, ()
+
+
+def _top_k(spec: dict) -> int:
+    """The top-k signal's K of a stage (0 without one)."""
+    return int(spec.get("objective", {}).get("options", {}).get("top_k", 0))
 
 
 def _loss_fn(kind: str, stage_key: str):
@@ -197,7 +207,8 @@ def _residuals(kind: str, stage_key: str, config: ModelConfig, micro: int, T: in
             f = math.prod(shard) / math.prod(shape)
             frac.setdefault(shape, f)
             frac.setdefault(shape[::-1], f)         # transposed (the tied unembedding)
-        batch, teachers = _batch(kind, objective, micro, T, teacher_dims, "bfloat16")
+        batch, teachers = _batch(kind, objective, micro, T, teacher_dims, "bfloat16",
+                                 _top_k(json.loads(stage_key)))
 
         def f(params, rest, batch, teachers):
             sg = jax.lax.stop_gradient
@@ -266,7 +277,7 @@ def trace_stage(kind: str, stage_key: str, config: ModelConfig, micro: int, accu
                        opt_state=jax.eval_shape(tx.init, params))
     objective = spec.get("objective", {}).get("name")
     rows = micro * accum if kind == "sft" else micro
-    batch, teachers = _batch(kind, objective, rows, T, teacher_dims, "bfloat16")
+    batch, teachers = _batch(kind, objective, rows, T, teacher_dims, "bfloat16", _top_k(spec))
     if kind == "sft":
         step = functools.partial(sft_step, graphdef=graphdef, tx=tx, grad_accum=accum)
     else:

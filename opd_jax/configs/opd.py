@@ -10,7 +10,8 @@ prints reward/mean and per-teacher log-ratio / KL per iteration.
 Presets: ``kimi_mopd`` (route by (domain, effort), clipped sampled-token signal),
 ``glm_cross_stage`` (log-ratio advantage in the PPO surrogate, group size 1),
 ``deepseek_full_vocab`` (weighted full-vocab reverse KL through the fused kernel, teacher
-hidden states cached, teachers loaded on demand into a bounded cache).
+hidden states cached, teachers loaded on demand into a bounded cache), ``topk_distill``
+(the KL over each teacher's top-k tokens plus a tail bucket: the signal of a served teacher).
 """
 import ml_collections
 
@@ -22,8 +23,9 @@ def get_config(arg: str = "kimi_mopd") -> ml_collections.ConfigDict:
     c = policy_base()
     c.teachers = section("teachers")
     c.rollout.group_size = 1
-    if arg not in ("kimi_mopd", "glm_cross_stage", "deepseek_full_vocab"):
-        raise KeyError(f"presets are kimi_mopd, glm_cross_stage, deepseek_full_vocab; got {arg!r}")
+    presets = ("kimi_mopd", "glm_cross_stage", "deepseek_full_vocab", "topk_distill")
+    if arg not in presets:
+        raise KeyError(f"presets are {', '.join(presets)}; got {arg!r}")
     c.objective = objective(arg)       # every option at its declared default
     if arg != "kimi_mopd":
         c.teachers.routing = "domain"

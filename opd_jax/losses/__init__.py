@@ -4,7 +4,7 @@ Pure functions of arrays: jit-, vmap- and grad-friendly, mask-aware, fp32 inside
 loss returns `(loss, metrics)`: an fp32 scalar and a dict of fp32 scalars with stable names.
 
     from opd_jax.losses import token_logprobs, sft_loss, group_advantages, grpo_loss, \
-        kimi_mopd_loss, glm_opd_loss, reverse_kl_loss
+        kimi_mopd_loss, glm_opd_loss, reverse_kl_loss, topk_kl_loss
 
 Hidden-state forms (`*_from_hidden`) take last-layer hidden states and unembeddings and run
 the fused `pallas_kernels`, so no [B, T, V] logits are built.
@@ -23,6 +23,8 @@ from opd_jax.losses.logprobs import log_softmax, token_entropy, token_logprobs
 from opd_jax.losses.opd import clipped_log_ratio, glm_opd_loss, kimi_mopd_loss
 from opd_jax.losses.policy import CORRECTIONS, Correction, mismatch_correction, ppo_clip
 from opd_jax.losses.sft import sft_loss
+from opd_jax.losses import topk
+from opd_jax.losses.topk import teacher_topk, topk_divergence, topk_kl_loss
 
 __all__ = [
     "AGGREGATIONS", "CORRECTIONS", "Correction", "aggregate", "clipped_log_ratio", "dapo_group_filter",
@@ -31,5 +33,5 @@ __all__ = [
     "sampled_token_logprobs_from_hidden",
     "group_advantages", "grpo_loss", "kimi_mopd_loss", "kl_k3", "log_softmax", "masked_mean",
     "mismatch_correction", "overlong_penalty", "ppo_clip", "reverse_kl", "reverse_kl_loss",
-    "sft_loss", "token_entropy", "token_logprobs",
+    "sft_loss", "teacher_topk", "token_entropy", "token_logprobs", "topk", "topk_divergence", "topk_kl_loss",
 ]

@@ -5,8 +5,10 @@
     scores = teacher_fields(scored, weights, kind="logp")   # TeacherScores
 
 `kind` is what the objective declares it needs (`objectives.Needs.teacher`): "logp", the
-teacher's log-probs of the student's sampled tokens [B, T], or "hidden", its last-layer
-hidden states [B, T, E] plus its unembedding (the full-vocabulary objective).
+teacher's log-probs of the student's sampled tokens [B, T]; "hidden", its last-layer
+hidden states [B, T, E] plus its unembedding (the full-vocabulary objective); or "topk",
+its `top_k` most likely tokens per position and their log-probs at `temperature`
+([B, T, K] ids and log-probs: the signal a served teacher can send).
 
 On a mesh (the bank's, `TeacherBank(mesh=)`), the teacher forward is jitted with the
 teacher's parameters as the bank placed them, the rows sharded like the student's batch
@@ -34,15 +36,19 @@ from opd_jax.teachers.bank import TeacherBank
 
 # What a scoring forward reads from a sequence batch.
 MODEL_INPUTS = ("inputs", "targets", "segment_ids")
-KINDS = ("logp", "hidden")
+KINDS = ("logp", "hidden", "topk")
 
 
-def teacher_outputs(params, rest, batch: dict, *, graphdef, kind: str = "logp") -> jax.Array:
-    """A teacher's view of its own batch: target log-probs [B, T] or hidden [B, T, E]."""
+def teacher_outputs(params, rest, batch: dict, *, graphdef, kind: str = "logp",
+                    top_k: int = 0, temperature: float = 1.0):
+    """A teacher's view of its own batch: target log-probs [B, T], hidden [B, T, E], or
+    (top-k ids [B, T, K] int32, their log-probs at `temperature` [B, T, K])."""
     model = nnx.merge(graphdef, params, rest)
     if kind == "hidden":
         return model(batch["inputs"], segment_ids_BxT=batch["segment_ids"], return_hidden=True)
     logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+    if kind == "topk":
+        return losses.teacher_topk(logits_BxTxV, top_k, temperature)
     return losses.token_logprobs(logits_BxTxV, batch["targets"])
 
 
@@ -75,10 +81,16 @@ class TeacherScorer:
     """
 
     def __init__(self, bank: TeacherBank, tokenizer, kind: str, role: str = "student",
-                 chunk_rows: int = 0):
+                 chunk_rows: int = 0, top_k: int = 0, temperature: float = 1.0):
         if kind not in KINDS:
             raise ValueError(f"teacher scoring kind {kind!r}: expected one of {KINDS}")
+        if (kind == "topk") != (top_k > 0):
+            raise ValueError(f"teacher scoring kind {kind!r} with top_k={top_k}: the top-k "
+                             f"signal needs top_k >= 1, the others top_k=0")
+        if not temperature > 0:
+            raise ValueError(f"teacher scoring temperature={temperature}: expected > 0")
         self.bank, self.tokenizer, self.kind, self.role = bank, tokenizer, kind, role
+        self.top_k, self.temperature = int(top_k), float(temperature)
         self.chunk_rows = chunk_rows
         self.mesh, self.rules = getattr(bank, "mesh", None), getattr(bank, "rules",
                                                                      sh.DEFAULT_RULES)
@@ -89,16 +101,19 @@ class TeacherScorer:
         """The jitted teacher forward of `graphdef` (one per graphdef: teachers of one shape
         share it and their placement)."""
         if graphdef not in self._fns:
-            fn = functools.partial(teacher_outputs, graphdef=graphdef, kind=self.kind)
+            fn = functools.partial(teacher_outputs, graphdef=graphdef, kind=self.kind,
+                                   top_k=self.top_k, temperature=self.temperature)
             if self.mesh is None:
                 self._fns[graphdef] = jax.jit(fn)
             else:
                 placed = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
                 batch_s = sh.batch_sharding(self.mesh, 2, self.rules)
+                out_s = {"logp": sh.batch_sharding(self.mesh, 2, self.rules),
+                         "hidden": sh.batch_sharding(self.mesh, 3, self.rules)}.get(
+                             self.kind, (sh.batch_sharding(self.mesh, 3, self.rules),) * 2)
                 self._fns[graphdef] = jax.jit(
                     fn, in_shardings=(placed(params), placed(rest), batch_s),
-                    out_shardings=sh.batch_sharding(self.mesh, 3 if self.kind == "hidden"
-                                                    else 2, self.rules))
+                    out_shardings=out_s)
         return self._fns[graphdef]
 
     def _gather(self, ndim: int, B: int, T: int):
@@ -156,8 +171,11 @@ class TeacherScorer:
                     np.asarray(student_seqs["prompt_len"], np.int32)[padded], dest)
             if self.mesh is not None:   # the same host values on every process
                 host = tuple(sh.put(x, sh.replicated(self.mesh)) for x in host)
-            full = settle(self._gather(chunks[0].ndim, B, T)(tuple(chunks), *host))
-            out[key] = (rows, full,
+            # Each output (the top-k signal has two: ids and log-probs) aligned on its own.
+            parts = [c if isinstance(c, tuple) else (c,) for c in chunks]
+            full = tuple(settle(self._gather(cs[0].ndim, B, T)(tuple(cs), *host))
+                         for cs in zip(*parts))
+            out[key] = (rows, full if self.kind == "topk" else full[0],
                         settle(teacher.unembedding()) if self.kind == "hidden" else None)
         return out
 
@@ -185,6 +203,9 @@ def teacher_fields(scored: dict, weights: list[dict], kind: str,
     of this iteration gets zeros: `absent` gives, for the hidden-state signal, its
     ``(hidden zeros [B, T, E_s], unembedding [E_s, V])``.
     kind "logp":   teacher_logp [B, T] (each row from its one teacher), teacher_onehot [B, S].
+    kind "topk":   teacher_topk_ids [B, T, K] int32 and teacher_topk_logp [B, T, K] (each
+                   row from its one teacher; rows no teacher scores hold id 0 and log-prob
+                   0, masked out by the loss), teacher_onehot [B, S].
     kind "hidden": teacher_hidden (S arrays [B, T, E_s], zeros on rows a teacher does not
                    score, masked out in the loss), teacher_weights [B, S] (= teacher_onehot),
                    and the S unembeddings [E_s, V] as the third value.
@@ -196,14 +217,21 @@ def teacher_fields(scored: dict, weights: list[dict], kind: str,
     onehot = np.asarray([[w.get(k, 0.0) for k in order] for w in weights],
                         np.float32)     # [B, S]: one-hot unless routing=mixture
     fields = {"teacher_onehot": onehot}
+    if kind == "topk":
+        if not scored:
+            raise ValueError("top-k teacher signal: no teacher scored any row")
+        routed_SxB = _routed(order, scored, len(weights))
+        first = next(iter(scored.values()))[1]
+        for i, name in enumerate(("teacher_topk_ids", "teacher_topk_logp")):
+            vals = tuple(scored[k][1][i] if k in scored else zeros_like(first[i], first[i].shape)
+                         for k in order)
+            fields[name] = settle(_rows_from_teachers(vals, _like(routed_SxB, vals[0])))
+        return TeacherScores(order, fields)
     if kind == "logp":
         if not scored:
             fields["teacher_logp"] = np.zeros((len(weights), 0), np.float32)
             return TeacherScores(order, fields)
-        routed_SxB = np.zeros((len(order), len(weights)), bool)
-        for s, key in enumerate(order):
-            if key in scored:
-                routed_SxB[s, scored[key][0]] = True
+        routed_SxB = _routed(order, scored, len(weights))
         first = next(iter(scored.values()))[1]
         vals = tuple(scored[k][1] if k in scored else zeros_like(first, first.shape)
                      for k in order)
@@ -225,14 +253,25 @@ def zeros_like(x, shape) -> jax.Array:
         jnp.asarray(zeros)
 
 
+def _routed(order: list[str], scored: dict, B: int) -> np.ndarray:
+    """[S, B] bool: slot s scored row b."""
+    routed_SxB = np.zeros((len(order), B), bool)
+    for s, key in enumerate(order):
+        if key in scored:
+            routed_SxB[s, scored[key][0]] = True
+    return routed_SxB
+
+
 @jax.jit
 def _rows_from_teachers(vals, routed_SxB):
-    """[B, T] fp32: each row from the teacher slot routed to it (the last if several), 0 on
-    rows no teacher scores."""
-    out_BxT = jnp.zeros(vals[0].shape, jnp.float32)
-    for s, v_BxT in enumerate(vals):
-        out_BxT = jnp.where(routed_SxB[s][:, None], v_BxT.astype(jnp.float32), out_BxT)
-    return out_BxT
+    """[B, T, ...] (fp32, or the values' integer dtype): each row from the teacher slot
+    routed to it (the last if several), 0 on rows no teacher scores."""
+    dtype = vals[0].dtype if jnp.issubdtype(vals[0].dtype, jnp.integer) else jnp.float32
+    out = jnp.zeros(vals[0].shape, dtype)
+    for s, v in enumerate(vals):
+        pick = routed_SxB[s].reshape((-1,) + (1,) * (v.ndim - 1))
+        out = jnp.where(pick, v.astype(dtype), out)
+    return out
 
 
 def _like(host: np.ndarray, x):

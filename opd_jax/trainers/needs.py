@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from opd_jax import sharding as sh
 
-TEACHER_KINDS = ("none", "logp", "hidden")
+TEACHER_KINDS = ("none", "logp", "hidden", "topk")
 
 Array = Any   # a jax.Array or numpy array of B rows
 
@@ -35,7 +35,9 @@ class PolicyBatch(TypedDict, total=False):
     old_logp_plain: Array     # [B, T] Needs.old_logp: at T = 1
     ref_logp: Array           # [B, T] Needs.reference on: the frozen initial policy's
     teacher_logp: Array       # [B, T] Needs.teacher "logp": each row's teacher
-    teacher_onehot: Array     # [B, S] Needs.teacher "logp": the row's slot
+    teacher_onehot: Array     # [B, S] Needs.teacher "logp" / "topk": the row's slot
+    teacher_topk_ids: Array   # [B, T, K] int32 Needs.teacher "topk": the row teacher's top-k
+    teacher_topk_logp: Array  # [B, T, K] their log-probs at the objective's temperature
     teacher_hidden: tuple     # S x [B, T, E_s] Needs.teacher "hidden"
     teacher_weights: Array    # [B, S] Needs.teacher "hidden": weights, sum 1 per row
 
@@ -88,9 +90,13 @@ class Needs:
     objective's name.
 
     teacher:        "none" (no teacher bank), "logp" (batch["teacher_logp"] [B, T] and
-                    batch["teacher_onehot"] [B, S]) or "hidden" (batch["teacher_hidden"]
+                    batch["teacher_onehot"] [B, S]), "hidden" (batch["teacher_hidden"]
                     S x [B, T, E_s], batch["teacher_weights"] [B, S], and the S teacher
-                    unembeddings as the step's `teachers` argument).
+                    unembeddings as the step's `teachers` argument) or "topk"
+                    (batch["teacher_topk_ids"] / ["teacher_topk_logp"] [B, T, K], the row
+                    teacher's K most likely tokens at the objective's temperature, and
+                    batch["teacher_onehot"]; the objective has fields `top_k` and
+                    `temperature`, read by `scoring_kw`).
     mixture:        teachers.routing="mixture" (several teachers weighted per row) allowed;
                     False means one teacher per episode.
     min_group_size: the smallest cfg.rollout.group_size that makes sense (GRPO's group
@@ -116,10 +122,18 @@ class Needs:
         if self.teacher not in TEACHER_KINDS:
             raise ValueError(f"Needs.teacher={self.teacher!r}: expected one of {TEACHER_KINDS}")
         if self.mixture and self.teacher == "none":
-            raise ValueError("Needs.mixture=True needs a teacher ('logp' or 'hidden')")
+            raise ValueError("Needs.mixture=True needs a teacher ('logp', 'hidden' or 'topk')")
         if self.vocab_parallel and self.teacher != "hidden":
             raise ValueError(f"Needs.vocab_parallel=True shards teacher unembeddings; it needs "
                              f"teacher='hidden', got teacher={self.teacher!r}")
+
+    def scoring_kw(self, objective) -> dict:
+        """How the teachers score for `objective`: for the top-k signal its ``top_k`` and
+        ``temperature`` (the teacher is scored at the temperature the loss applies to the
+        student: one value, so the two sides cannot differ); otherwise nothing."""
+        if self.teacher != "topk":
+            return {}
+        return {"top_k": int(objective.top_k), "temperature": float(objective.temperature)}
 
     def wants_reference(self, objective) -> bool:
         """True when `objective`'s reference option is on (> 0)."""

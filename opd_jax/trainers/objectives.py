@@ -375,3 +375,39 @@ class DeepSeekFullVocab:
                                              for s in range(len(teachers))])
         out[f"{PER_TEACHER}tokens"] = routed_SxB @ jnp.sum(mask_BxT, axis=1)
         return loss, out
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class TopKDistill:
+    """Top-k teacher signal: the KL between the student and each row's teacher over the
+    teacher's `top_k` most likely tokens plus a tail bucket (`losses.topk_kl_loss`), the
+    form a served teacher can send (top-k log-probs per position). `direction` "reverse"
+    (student first, the OPD direction) or "forward" (verl's `forward_kl_topk`). The teacher
+    is scored at `temperature` and the student compared at the same one (`Needs.scoring_kw`
+    hands it to the scorer). One teacher per row (routing cell / domain / table)."""
+    name: ClassVar[str] = "topk_distill"
+    needs: ClassVar[Needs] = Needs(teacher="topk", old_logp=False)
+    top_k: int = option(Int(32, lo=1, hint="the teacher's tokens per position (verl: 32)"))
+    direction: str = option(Choice("reverse", losses.topk.DIRECTIONS))
+    temperature: float = option(Float(1.0, lo=0, lo_open=True))
+    aggregation: str = option(AGGREGATION)
+    max_len: int | None = option(MAX_LEN)
+
+    def __post_init__(self):
+        check_options(self)
+
+    def __call__(self, model, batch: PolicyBatch, teachers: tuple = ()):
+        logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
+        mask_BxT = batch["mask"]
+        div_BxT, per = losses.topk.topk_divergence(
+            logits_BxTxV, batch["teacher_topk_ids"], batch["teacher_topk_logp"],
+            direction=self.direction, temperature=self.temperature)
+        loss = losses.aggregate(div_BxT, mask_BxT, self.aggregation, max_len=self.max_len)
+        sg = jax.lax.stop_gradient
+        metrics = {"loss": sg(loss), "topk_kl": losses.masked_mean(sg(div_BxT), mask_BxT)}
+        metrics |= {name: losses.masked_mean(v, mask_BxT) for name, v in per.items()}
+        metrics |= per_teacher_metrics({"kl": sg(div_BxT),
+                                        "topk_mass": per["teacher_topk_mass"]},
+                                       batch["teacher_onehot"], mask_BxT)
+        return loss, {k: v.astype(jnp.float32) for k, v in metrics.items()}

@@ -111,11 +111,15 @@ class Teachers:
     False for objectives without a teacher (then nothing is loaded or scored)."""
 
     def __init__(self, t: ml_collections.ConfigDict, needs, cells, setup, tokenizer_spec: str,
-                 chunk_rows: int, max_new_tokens: int | None = None):
+                 chunk_rows: int, max_new_tokens: int | None = None, scoring: dict | None = None):
         self.needs, self.enabled = needs, needs.teacher != "none"
         self.bank, self.cell_weights, self.scorer, self.configs = None, {}, None, {}
         if not self.enabled:
             return
+        scoring = dict(scoring or {})
+        if scoring.get("top_k", 0) > setup.model_config.vocab_size:
+            raise ValueError(f"objective option top_k={scoring['top_k']}: expected at most the "
+                             f"vocabulary size {setup.model_config.vocab_size}")
         self.bank = TeacherBank(dict(t.paths), max_loaded=t.max_loaded or None,
                                 mesh=setup.mesh, rules=setup.rules)
         self.cell_weights = check_routing([(d, e) for d, _, e in cells], self.bank.keys(),
@@ -136,7 +140,7 @@ class Teachers:
         # fields keep their shapes, so the train step compiles once whatever the mix.
         self.slots, self._unembeddings = used, {}
         self.scorer = TeacherScorer(self.bank, setup.tokenizer, needs.teacher,
-                                    role=t.prompt_role, chunk_rows=chunk_rows)
+                                    role=t.prompt_role, chunk_rows=chunk_rows, **scoring)
 
     def score(self, episodes, seqs) -> tuple[TeacherScores, dict]:
         """(the iteration's teacher scores, metrics); empty scores without a teacher."""

@@ -63,7 +63,8 @@ def _plan(cfg: ml_collections.ConfigDict):
             // cfg.rl.minibatches)
     cells = task_cells(cfg.tasks)
     teachers = Teachers(cfg.get("teachers"), needs, cells, setup,
-                        builders.tokenizer_spec(cfg), rows, cfg.rollout.sampling.max_new_tokens)
+                        builders.tokenizer_spec(cfg), rows, cfg.rollout.sampling.max_new_tokens,
+                        scoring=needs.scoring_kw(objective))
     return setup, objective, needs, rows, cells, teachers
 
 

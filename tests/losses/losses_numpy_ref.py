@@ -165,3 +165,24 @@ def divergence(kind, s_BxTxV, t_logits, m, weights=None, tau=1.0, beta=0.5):
             d = beta * kl(p, mix) + (1 - beta) * kl(q, mix)
         per += w[:, kk][:, None] * d
     return aggregate(per, m)
+
+
+def topk_divergence(kind, s_BxTxV, ids_BxTxK, lq_BxTxK, m, tau=1.0, mode="token_mean",
+                    tail_floor=1e-8):
+    """The top-k + tail divergence, token by token: the student's K + 1 bucket masses are
+    summed over the vocabulary (member or not), the teacher's tail is 1 - sum of its top-k."""
+    p_BxTxV = np.exp(log_softmax(s_BxTxV, tau))
+    b, t, v = p_BxTxV.shape
+    per = np.zeros((b, t))
+    for i in range(b):
+        for j in range(t):
+            ids = [int(x) for x in ids_BxTxK[i, j]]
+            q = [float(np.exp(np.float64(x))) for x in lq_BxTxK[i, j]]
+            p = [float(p_BxTxV[i, j, x]) for x in ids]
+            if len(ids) < v:
+                p.append(sum(float(p_BxTxV[i, j, x]) for x in range(v) if x not in ids))
+                q.append(max(1.0 - sum(q), tail_floor))
+            p, q = np.array(p), np.array(q)
+            a, c = (p, q) if kind == "reverse" else (q, p)
+            per[i, j] = sum(x * np.log(x / y) for x, y in zip(a, c) if x > 0)
+    return aggregate(per, m, mode)

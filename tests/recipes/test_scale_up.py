@@ -169,3 +169,23 @@ def test_tiny_presets_plans_unchanged():
     scaled = {s.name: s for s in recipe_module("kimi_k3").build(_load("kimi_k3", "scale_v5p64"), 0)}
     assert scaled["rl_agent_max"].init_from == "teacher_sft"
     assert scaled["merge_1"].init_from == "teacher_sft" and scaled["student"].init_from == "sft"
+
+
+def test_topk_student_estimates_and_traces():
+    """A top-k student (`topk_distill`, K = 64) at real size: the teacher cache grows by K
+    ids and log-probs per token, and the step traces with the [B, T, K] fields."""
+    import ml_collections
+    from opd_jax.trainers.objectives import default_options
+    c = _load("kimi_k3", "scale_8xh100")
+    c.student.objective = ml_collections.ConfigDict(dict(
+        name="topk_distill", options=default_options("topk_distill", top_k=64)))
+    rows = {r["stage"]: r for r in scale_estimate.estimate(c, trace=False)}
+    assert rows["student"]["teacher_cache"] > 0
+    stages = scale_estimate.plan(c)
+    student = next(s for s in stages if s.name == "student")
+    models = scale_estimate.stage_models(stages)
+    geo = scale_estimate.geometry(student, scale_estimate.abstract_mesh(student.config.mesh.shape))
+    t = scale_estimate.trace_stage("opd", scale_estimate._stage_key(student),
+                                   models["student"].replace(num_layers=2), geo.micro, geo.accum,
+                                   geo.seq, tuple((0, 0) for _ in set(student.teachers.values())))
+    assert t["loss"] == []

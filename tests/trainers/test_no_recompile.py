@@ -16,7 +16,8 @@ from tests.trainers.test_policy_smoke import ROOT, SMALL, _teacher
 
 PRESETS = {"grpo": "grpo.py:tiny", "kimi_mopd": "opd.py:kimi_mopd",
            "glm_cross_stage": "opd.py:glm_cross_stage",
-           "deepseek_full_vocab": "opd.py:deepseek_full_vocab"}
+           "deepseek_full_vocab": "opd.py:deepseek_full_vocab",
+           "topk_distill": "opd.py:topk_distill"}
 
 
 @pytest.fixture(scope="module")

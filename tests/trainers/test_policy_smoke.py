@@ -60,6 +60,7 @@ def test_grpo_resumes(grpo_run):
     "kimi_mopd",
     pytest.param("glm_cross_stage", marks=pytest.mark.slow),
     pytest.param("deepseek_full_vocab", marks=pytest.mark.slow),
+    "topk_distill",
 ])
 def test_opd_objectives_run(tmp_path, objective):
     teacher = _teacher(tmp_path / "teacher")
@@ -71,7 +72,8 @@ def test_opd_objectives_run(tmp_path, objective):
     last = out["history"][-1]
     key = "general/high" if objective == "kimi_mopd" else "general"
     assert last[f"teacher/{key}/tokens"] > 0
-    assert f"teacher/{key}/" + ("kl" if objective == "deepseek_full_vocab" else "log_ratio") in last
+    assert f"teacher/{key}/" + ("kl" if objective in ("deepseek_full_vocab", "topk_distill")
+                                else "log_ratio") in last
     # Held-out evaluation at the end, per cell and per teacher, also written as JSON and CSV.
     assert 0.0 <= last[f"teacher/{key}/heldout_reward"] <= 1.0
     assert last["heldout/general/high/reward"] == last[f"teacher/{key}/heldout_reward"]
@@ -108,6 +110,12 @@ def test_opd_bad_banks_fail_early(tmp_path):
                                      "--config.tasks.efforts=('high', 'max')"])
     with pytest.raises(KeyError, match="no teacher for \\(domain, effort\\) 'general/max'"):
         train_policy(cfg, str(tmp_path / "c"), progress=False)
+    topk = os.path.join(ROOT, "opd_jax/configs/opd.py:topk_distill")
+    cfg = load_config(topk, SMALL + [f"--config.teachers.paths={{'general': '{good}'}}",
+                                     "--config.objective.options.top_k=129"])
+    with pytest.raises(ValueError, match="top_k=129: expected at most the vocabulary size 128"):
+        train_policy(cfg, str(tmp_path / "d"), progress=False)
+    assert not (tmp_path / "d" / "teacher_cache.json").exists()
     ds = os.path.join(ROOT, "opd_jax/configs/opd.py:deepseek_full_vocab")
     cfg = load_config(ds, SMALL + [f"--config.teachers.paths={{'a': '{good}', 'b': '{good}'}}",
                                    "--config.teachers.routing=mixture",

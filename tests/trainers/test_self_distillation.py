@@ -17,7 +17,8 @@ from tests.trainers.test_policy_smoke import ROOT, SMALL
 
 OBJECTIVES = ["kimi_mopd",
               pytest.param("glm_cross_stage", marks=pytest.mark.slow),
-              pytest.param("deepseek_full_vocab", marks=pytest.mark.slow)]
+              pytest.param("deepseek_full_vocab", marks=pytest.mark.slow),
+              "topk_distill"]
 SIGNALS = ("log_ratio", "r_abs_mean", "r_mean", "kl", "reverse_kl_est")
 TOL = 1e-5   # fp32: teacher and student forwards see different batch shapes
 

@@ -20,6 +20,7 @@ from opd_jax.teachers import TeacherBank, TeacherScorer, teacher_fields
 from opd_jax.episodes import Episode, encode
 from opd_jax.trainers.objectives import VocabParallel, make_objective
 from opd_jax.teachers.scoring import teacher_outputs
+from opd_jax.losses import teacher_topk
 from opd_jax.trainers.policy import policy_step
 from opd_jax.episodes.sequences import build_sequences
 from opd_jax.trainers.state import compile_step, create_state, make_optimizer, place_state
@@ -119,6 +120,43 @@ def test_sharded_scores_equal_unsharded(paths, kind):
     with pytest.raises(ValueError, match="teacher scoring of 10 student rows on mesh .* "
                                          "expected a multiple of its 4 batch shards"):
         got(eps[:10], weights[:10], {k: v[:10] for k, v in seqs.items()})
+
+
+def test_sharded_topk_scores_equal_unsharded_and_the_teacher_run_directly(paths):
+    """The top-k signal (ids and log-probs at the objective's temperature) through the
+    same routing, chunking and alignment: on the (2, 2, 2) mesh equal to the unsharded
+    scorer, both equal to the teacher's own top-k of its logits on the student's rows;
+    the batch fields take each row from its teacher (id 0 / log-prob 0 on no row here)."""
+    tok, eps, seqs = _episodes(12)
+    weights = [{"orbax": 1.0} if b % 4 == 0 else {"hf": 1.0} for b in range(12)]
+    mesh = sh.make_mesh((2, 2, 2))
+    kw = dict(chunk_rows=3, top_k=5, temperature=0.7)
+    got = TeacherScorer(TeacherBank(paths, mesh=mesh), tok, "topk", **kw)
+    ref = TeacherScorer(TeacherBank(paths), tok, "topk", **kw)
+    scored, expected = got(eps, weights, seqs), ref(eps, weights, seqs)
+    m = seqs["mask"].astype(bool)
+    fields = teacher_fields(scored, weights, "topk").fields
+    for key in ("hf", "orbax"):
+        rows, (ids, lq), unemb = scored[key]
+        assert unemb is None and ids.dtype == np.int32 and ids.shape == (12, m.shape[1], 5)
+        assert ids.sharding == sh.batch_sharding(mesh, 3), key
+        np.testing.assert_array_equal(np.asarray(ids)[rows][m[rows]],
+                                      np.asarray(expected[key][1][0])[rows][m[rows]])
+        np.testing.assert_allclose(np.asarray(lq), np.asarray(expected[key][1][1]),
+                                   rtol=1e-5, atol=1e-5)
+        teacher = TeacherBank(paths).get(key)
+        logits = teacher(seqs["inputs"], segment_ids_BxT=seqs["segment_ids"])
+        want_ids, want_lq = teacher_topk(logits, 5, 0.7)
+        np.testing.assert_array_equal(np.asarray(ids)[rows][m[rows]],
+                                      np.asarray(want_ids)[rows][m[rows]])
+        np.testing.assert_allclose(np.asarray(lq)[rows][m[rows]],
+                                   np.asarray(want_lq)[rows][m[rows]], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(fields["teacher_topk_ids"])[rows],
+                                      np.asarray(ids)[rows])
+    assert fields["teacher_topk_ids"].dtype == np.int32
+    np.testing.assert_array_equal(fields["teacher_onehot"].sum(1), 1.0)
+    with pytest.raises(ValueError, match="top_k=0"):
+        TeacherScorer(TeacherBank(paths), tok, "topk")
 
 
 def _full_vocab_step(mesh, spy_calls):
