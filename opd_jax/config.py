@@ -169,12 +169,13 @@ def set_value(cfg: ml_collections.ConfigDict, dotted: str, value: Any) -> None:
 # Sections whose keys are data, not fields: task family per domain (``tasks.families``,
 # an experiment's ``domains``), teacher key -> checkpoint (``teachers.paths``), cell or
 # domain -> teacher key (``teachers.table``), cell or domain -> {teacher key: weight}
-# (``teachers.weights``), domain -> stage (``stage_teachers``, experiments/glm). A dict
+# (``teachers.weights``), served teacher key -> parameter count (``teachers.served.params``),
+# domain -> stage (``stage_teachers``, experiments/glm). A dict
 # literal replaces them whole and may name any keys. Matched as a dotted suffix
 # (``data.tasks.families``, ``student.teachers.paths`` are ones too). Every other section,
 # however few or string-valued its fields (``merge``), is structured.
 FREE_FORM_MAPS = ("tasks.families", "teachers.paths", "teachers.table", "teachers.weights",
-                  "domains", "stage_teachers", "corpus.dose")
+                  "teachers.served.params", "teachers.tokenizers", "domains", "stage_teachers", "corpus.dose")
 
 
 def is_free_form(dotted: str) -> bool:

@@ -66,6 +66,14 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
                       {"=objective": {"name": "deepseek_full_vocab", "options": {}},
                        "optim": {"lr": 3e-4, "schedule": "cosine"}, "train": {"steps": 60}}),
     "iters_60": ("the preset for 60 iterations", {"train": {"steps": 60}}),
+    # "@init": where the student starts ("merge": the seed's validation-tuned merge of the
+    # teachers, which the student is then compared with).
+    "from_merge": ("the preset started from the validation-tuned merge instead of the "
+                   "start", {"@init": "merge"}),
+    "from_merge_full_vocab": ("full_vocab started from the validation-tuned merge",
+                              {"@init": "merge",
+                               "=objective": {"name": "deepseek_full_vocab", "options": {}},
+                               "optim": {"lr": 3e-4, "schedule": "cosine"}}),
 }
 
 
@@ -86,24 +94,35 @@ def stage_name(variant: str) -> str:
     return "student" if variant == "preset" else f"sweep_{variant}"
 
 
-def variant_stage(c: ml_collections.ConfigDict, seed: int, variant: str) -> Stage:
+def variant_stage(c: ml_collections.ConfigDict, seed: int, variant: str,
+                  merge: str | None = None) -> Stage:
     """The seed's student stage with the variant's patch (the preset: the stage itself);
-    its config checked before any work."""
+    its config checked before any work. `merge`: the seed's validation-tuned merge stage
+    (for variants that start from it, "@init": "merge")."""
     if variant not in VARIANTS:
         raise KeyError(f"variant {variant!r}: expected one of {sorted(VARIANTS)}")
     student = next(s for s in kimi_k3.build(c, seed) if s.name == "student")
     patch = VARIANTS[variant][1]
     if patch is None:
         return student
+    patch = dict(patch)
+    init = patch.pop("@init", None)
+    if init not in (None, "merge"):
+        raise ValueError(f"variant {variant!r}: @init={init!r}, expected 'merge'")
+    if init == "merge" and merge is None:
+        raise ValueError(f"variant {variant!r} starts from the validation-tuned merge; "
+                         f"give the seed's merge stage")
     cfg = ml_collections.ConfigDict(patched(student.config.to_dict(), patch))
     config_schema.validate(cfg, where=f"student_sweep variant {variant!r}")
-    return dataclasses.replace(student, name=stage_name(variant), config=cfg)
+    return dataclasses.replace(student, name=stage_name(variant), config=cfg,
+                               init_from=merge if init == "merge" else student.init_from)
 
 
-def train_variant(c: ml_collections.ConfigDict, sw: str, seed: int, variant: str) -> dict:
+def train_variant(c: ml_collections.ConfigDict, sw: str, seed: int, variant: str,
+                  merge: str | None = None) -> dict:
     """Train (or resume, or find done: the pipeline's `run_stage`, which refuses a finished
     folder run with other settings) a variant in seed folder `sw`; its cost record."""
-    rec = run_stage(variant_stage(c, seed, variant), sw)
+    rec = run_stage(variant_stage(c, seed, variant, merge), sw)
     comp = rec.get("compute") or {}
     return {"wall_s": rec["wall_s"], "optimizer_steps": rec["optimizer_steps"],
             "rollouts": comp.get("tokens", {}).get("rollouts", 0),
@@ -139,7 +158,7 @@ def run(c: ml_collections.ConfigDict, workdir: str, seeds, variants) -> dict:
                   "merge": keep(evs(merge, cells))}
         costs = {}
         for v in variants:
-            costs[v] = train_variant(c, sw, seed, v)
+            costs[v] = train_variant(c, sw, seed, v, merge)
             models[v] = keep(evs(stage_name(v), cells))
         per_seed.append({"seed": seed, "eval_seed": es, "merge_chosen": merge,
                          "models": models, "cost": costs})

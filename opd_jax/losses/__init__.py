@@ -23,7 +23,7 @@ from opd_jax.losses.logprobs import log_softmax, token_entropy, token_logprobs
 from opd_jax.losses.opd import clipped_log_ratio, glm_opd_loss, kimi_mopd_loss
 from opd_jax.losses.policy import CORRECTIONS, Correction, mismatch_correction, ppo_clip
 from opd_jax.losses.sft import sft_loss
-from opd_jax.losses import topk
+from opd_jax.losses import kl, topk
 from opd_jax.losses.topk import teacher_topk, topk_divergence, topk_kl_loss
 
 __all__ = [
@@ -33,5 +33,5 @@ __all__ = [
     "sampled_token_logprobs_from_hidden",
     "group_advantages", "grpo_loss", "kimi_mopd_loss", "kl_k3", "log_softmax", "masked_mean",
     "mismatch_correction", "overlong_penalty", "ppo_clip", "reverse_kl", "reverse_kl_loss",
-    "sft_loss", "teacher_topk", "token_entropy", "token_logprobs", "topk", "topk_divergence", "topk_kl_loss",
+    "sft_loss", "teacher_topk", "token_entropy", "token_logprobs", "kl", "topk", "topk_divergence", "topk_kl_loss",
 ]

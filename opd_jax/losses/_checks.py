@@ -84,14 +84,17 @@ def check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
         raise ValueError(f"{name}={value!r}, expected one of {choices}")
 
 
-def check_weights(weights: jax.Array, k: int, b: int) -> None:
-    """Teacher weights: shape [K] or [B, K]; non-negative rows summing to 1 when concrete.
+def check_weights(weights: jax.Array, k: int, b: int, t: int | None = None) -> None:
+    """Teacher weights: shape [K], [B, K] or (given `t`) per token [B, T, K]; non-negative,
+    summing to 1 over the K teachers when concrete.
 
     Traced weights (inside jit) cannot be inspected at trace time: callers are trusted.
     """
-    if tuple(jnp.shape(weights)) not in ((k,), (b, k)):
+    shapes = ((k,), (b, k)) + (((b, t, k),) if t is not None else ())
+    if tuple(jnp.shape(weights)) not in shapes:
+        per_token = f" or [B, T, K] = ({b}, {t}, {k})" if t is not None else ""
         raise ValueError(f"weights has shape {tuple(jnp.shape(weights))}, expected [K] = ({k},) "
-                         f"or [B, K] = ({b}, {k})")
+                         f"or [B, K] = ({b}, {k}){per_token}")
     w = concrete(weights)
     if w is None:
         return

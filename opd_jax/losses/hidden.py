@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from opd_jax.losses import _checks
 from opd_jax.losses.aggregation import aggregate, masked_mean
+from opd_jax.losses.kl import weights_KxBxT
 from opd_jax.losses.opd import glm_opd_loss, kimi_mopd_loss
 from pallas_kernels import fused_clipped_log_ratio, fused_reverse_kl
 
@@ -42,10 +43,11 @@ def reverse_kl_loss_from_hidden(h_s_BxTxD, w_s_DxV, h_t, w_t, mask_BxT, *, weigh
 
     L = aggregate_t( sum_k w_bk KL(p_bt || q_kbt) ), p = softmax(h_s W_s / tau),
     q_k = softmax(h_t,k W_t,k / tau). Teachers: h_t [B, T, E] with w_t [E, V], or stacked
-    h_t [K, B, T, E] with w_t [K, E, V] and `weights` [K] or [B, K] (default uniform), or
+    h_t [K, B, T, E] with w_t [K, E, V] and `weights` [K], [B, K] or per token [B, T, K]
+    (default uniform), or
     sequences of K teachers h_t (K x [B, T, E_k]) and w_t (K x [E_k, V]) of any widths E_k
-    (the routed form: teacher k's KL is computed only on rows with w_bk > 0, and
-    `reverse_kl_teacher{k}` averages over those rows' tokens).
+    (the routed form: teacher k's KL is computed only on tokens with weight > 0, and
+    `reverse_kl_teacher{k}` averages over those tokens).
     Equals `reverse_kl_loss(h_s @ W_s, h_t @ W_t, mask, ...)`; the teacher gets no gradient.
 
     Example::
@@ -68,19 +70,16 @@ def reverse_kl_loss_from_hidden(h_s_BxTxD, w_s_DxV, h_t, w_t, mask_BxT, *, weigh
     if weights is not None and not stacked:
         raise ValueError(f"weights are for stacked [K, B, T, E] teachers; got a single teacher with weights "
                          f"of shape {tuple(jnp.shape(weights))}")
-    if weights is None:
-        w_KxB = jnp.full((k, b), 1.0 / k, jnp.float32)
-    else:
-        _checks.check_weights(weights, k, b)
-        w = jax.lax.stop_gradient(jnp.asarray(weights, jnp.float32))
-        w_KxB = jnp.broadcast_to(w[:, None], (k, b)) if w.ndim == 1 else w.T
+    if weights is not None:
+        _checks.check_weights(weights, k, b, t)
+    w_KxBxT = weights_KxBxT(weights, k, b, t)
     mask_N = mask_BxT.reshape(-1)
     h_s_NxD = _flat(h_s_BxTxD)
     kl_KxBxT = jnp.stack([
         fused_reverse_kl(h_s_NxD, w_s_DxV, _flat(h_t_KxBxTxE[i]), w_t_KxExV[i], mask_N=mask_N,
                          temperature=temperature, implementation=implementation, **kernel_kw).reshape(b, t)
         for i in range(k)])
-    div_BxT = (w_KxB[:, :, None] * kl_KxBxT).sum(0)
+    div_BxT = (w_KxBxT * kl_KxBxT).sum(0)
     loss = aggregate(div_BxT, mask_BxT, aggregation, max_len=max_len)
     sg = jax.lax.stop_gradient
     metrics = {"loss": sg(loss), "reverse_kl": masked_mean(sg(div_BxT), mask_BxT)}
@@ -101,23 +100,20 @@ def _reverse_kl_teachers(h_s_BxTxD, w_s_DxV, h_t, w_t, mask_BxT, *, weights, tem
     for i, (h, w) in enumerate(zip(h_t, w_t)):
         _checks.check_shape(f"h_t[{i}]", h, (b, t, h.shape[-1]), "[B, T, E]")
         _checks.check_shape(f"w_t[{i}]", w, (h.shape[-1], w_s_DxV.shape[1]), "[E, V]")
-    if weights is None:
-        w_BxK = jnp.full((b, k), 1.0 / k, jnp.float32)
-    else:
-        _checks.check_weights(weights, k, b)
-        w = jax.lax.stop_gradient(jnp.asarray(weights, jnp.float32))
-        w_BxK = jnp.broadcast_to(w, (b, k)) if w.ndim == 1 else w
+    if weights is not None:
+        _checks.check_weights(weights, k, b, t)
+    w_KxBxT = weights_KxBxT(weights, k, b, t)
     sg = jax.lax.stop_gradient
     m = mask_BxT.astype(jnp.float32)
     h_s_NxD = _flat(h_s_BxTxD)
     div_BxT = jnp.zeros((b, t), jnp.float32)
     metrics = {}
     for i in range(k):
-        routed_BxT = m * (w_BxK[:, i:i + 1] > 0)
+        routed_BxT = m * (w_KxBxT[i] > 0)
         kl_BxT = fused_reverse_kl(h_s_NxD, w_s_DxV, _flat(h_t[i]), w_t[i],
                                   mask_N=routed_BxT.reshape(-1), temperature=temperature,
                                   implementation=implementation, **kernel_kw).reshape(b, t)
-        div_BxT = div_BxT + w_BxK[:, i:i + 1] * kl_BxT
+        div_BxT = div_BxT + w_KxBxT[i] * kl_BxT
         metrics[f"reverse_kl_teacher{i}"] = masked_mean(sg(kl_BxT), routed_BxT)
     loss = aggregate(div_BxT, mask_BxT, aggregation, max_len=max_len)
     metrics = {"loss": sg(loss), "reverse_kl": masked_mean(sg(div_BxT), mask_BxT)} | metrics

@@ -11,8 +11,9 @@ student, q = softmax(teacher / tau) the teacher; tau applies to both (no tau^2 f
 | generalized_jsd_loss | b KL(p || m) + (1-b) KL(q || m), m = b p + (1-b) q | symmetric b=.5 |
 
 Teachers: `teacher_logits` is [B, T, V] or stacked [K, B, T, V]; stacked teachers are mixed
-as sum_k w_k D(., q_k) with `weights` [K] or per-sample [B, K] (default uniform). Weights
-must be non-negative and sum to 1: checked eagerly when concrete, trusted when traced.
+as sum_k w_k D(., q_k) with `weights` [K], per sample [B, K] or per token [B, T, K]
+(confidence weighting; default uniform). Weights must be non-negative and sum to 1: checked
+eagerly when concrete, trusted when traced.
 Teachers get no gradient. The token loss is then reduced by `aggregate`.
 
 Metric names (fp32 scalars): loss, reverse_kl | forward_kl | jsd (token mean of the
@@ -93,7 +94,7 @@ def _divergence_loss(kind: str, fn: Callable, student_logits_BxTxV: jax.Array,
         raise ValueError("weights are for stacked [K, B, T, V] teachers; got a single "
                          f"[B, T, V] teacher with weights of shape {tuple(jnp.shape(weights))}")
     if weights is not None:
-        _checks.check_weights(weights, k, b)
+        _checks.check_weights(weights, k, b, t)
 
     logp_BxTxV = log_softmax(student_logits_BxTxV, temperature)
     logq_KxBxTxV = jax.lax.stop_gradient(log_softmax(teacher_logits, temperature))
@@ -102,12 +103,8 @@ def _divergence_loss(kind: str, fn: Callable, student_logits_BxTxV: jax.Array,
     dtype = logp_BxTxV.dtype
     logq_KxBxTxV = logq_KxBxTxV.astype(dtype)
     div_KxBxT = fn(logp_BxTxV[None], logq_KxBxTxV)
-    if weights is None:
-        w_KxB = jnp.full((k, b), 1.0 / k, dtype)
-    else:
-        w = jnp.asarray(weights).astype(dtype)
-        w_KxB = jnp.broadcast_to(w[:, None], (k, b)) if w.ndim == 1 else w.T
-    div_BxT = (w_KxB[:, :, None] * div_KxBxT).sum(0)
+    w_KxBxT = weights_KxBxT(weights, k, b, t, dtype)
+    div_BxT = (w_KxBxT * div_KxBxT).sum(0)
     loss = aggregate(div_BxT, mask_BxT, aggregation, max_len=max_len)
 
     sg = jax.lax.stop_gradient
@@ -117,13 +114,24 @@ def _divergence_loss(kind: str, fn: Callable, student_logits_BxTxV: jax.Array,
         "loss": sg(loss),
         kind: masked_mean(sg(div_BxT), mask_BxT),
         "entropy": masked_mean(ent_BxT, mask_BxT),
-        "teacher_entropy": masked_mean((sg(w_KxB)[:, :, None] * teacher_ent_KxBxT).sum(0),
-                                       mask_BxT),
+        "teacher_entropy": masked_mean((sg(w_KxBxT) * teacher_ent_KxBxT).sum(0), mask_BxT),
     }
     if stacked:
         for i in range(k):
             metrics[f"{kind}_teacher{i}"] = masked_mean(sg(div_KxBxT[i]), mask_BxT)
     return loss, {name: x.astype(jnp.float32) for name, x in metrics.items()}
+
+
+def weights_KxBxT(weights, k: int, b: int, t: int, dtype=jnp.float32) -> jax.Array:
+    """Teacher weights [K], [B, K] or [B, T, K] (None: uniform 1/K) as [K, B, T], detached."""
+    if weights is None:
+        return jnp.full((k, b, t), 1.0 / k, dtype)
+    w = jax.lax.stop_gradient(jnp.asarray(weights).astype(dtype))
+    if w.ndim == 1:
+        return jnp.broadcast_to(w[:, None, None], (k, b, t))
+    if w.ndim == 2:
+        return jnp.broadcast_to(w.T[:, :, None], (k, b, t))
+    return jnp.moveaxis(w, -1, 0)
 
 
 def reverse_kl_loss(student_logits_BxTxV: jax.Array, teacher_logits: jax.Array,
@@ -132,7 +140,7 @@ def reverse_kl_loss(student_logits_BxTxV: jax.Array, teacher_logits: jax.Array,
                     max_len: int | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Weighted full-vocabulary REVERSE KL (student first), DeepSeek-V4 OPD:
 
-    L = sum_{b,t} m_bt sum_k w_bk KL(p_bt || q_kbt) / sum_{b,t} m_bt,
+    L = sum_{b,t} m_bt sum_k w_bk KL(p_bt || q_kbt) / sum_{b,t} m_bt (w_bk, or w_btk per token),
     KL(p || q) = sum_v p_v (log p_v - log q_v); grad wrt student logits s (tau = 1):
     p_v (log p_v - log q_v - KL). Mode-seeking: the student is pushed off tokens the
     teacher rules out. Computed from full [B, T, V] logits in fp32; the fused kernels

@@ -26,6 +26,11 @@ K = V (then there is no tail bucket and the loss equals `reverse_kl_loss` /
 sum_k q_k can reach 1 while the student still has tail mass, which would make the reverse KL
 infinite); the student's tail is never floored. The teacher gets no gradient.
 
+Unused slots. An id < 0 marks a slot the teacher did not fill (a server that sent fewer
+than K tokens at a position, or tokens the client could not map to ids): it holds no mass on
+either side (its log-probs are -inf), and the mass it would have held stays in the tail
+(for K < V; at K = V there is no tail, so every slot must be used).
+
 Metric names (fp32 scalars): loss, topk_reverse_kl | topk_forward_kl (token mean),
 teacher_topk_mass (sum_k q_k), student_topk_mass (sum_k p_k), tail_floor_frac (tokens whose
 teacher tail was floored).
@@ -73,16 +78,21 @@ def topk_buckets(student_logp_BxTxV: jax.Array, teacher_ids_BxTxK: jax.Array,
     of the K teacher ids and the tail bucket (last); with K = V the tail bucket is -inf on
     both sides (empty). The teacher's tail is floored at TAIL_FLOOR (`floored` says where)."""
     v, k = student_logp_BxTxV.shape[-1], teacher_ids_BxTxK.shape[-1]
-    lp_BxTxK = jnp.take_along_axis(student_logp_BxTxV, teacher_ids_BxTxK, axis=-1, mode="clip")
-    lq_BxTxK = teacher_logp_BxTxK.astype(lp_BxTxK.dtype)
-    if k == v:      # every token is kept: no tail bucket
+    used_BxTxK = teacher_ids_BxTxK >= 0                 # id < 0: an unused slot
+    ids_BxTxK = jnp.where(used_BxTxK, teacher_ids_BxTxK, 0)
+    lp_BxTxK = jnp.take_along_axis(student_logp_BxTxV, ids_BxTxK, axis=-1, mode="clip")
+    lp_BxTxK = jnp.where(used_BxTxK, lp_BxTxK, -jnp.inf)
+    lq_BxTxK = jnp.where(used_BxTxK, teacher_logp_BxTxK.astype(lp_BxTxK.dtype), -jnp.inf)
+    if k == v:      # every token is kept: no tail bucket (so at K = V every slot is used)
         none = jnp.full(lp_BxTxK.shape[:-1] + (1,), -jnp.inf, lp_BxTxK.dtype)
         return (jnp.concatenate([lp_BxTxK, none], -1), jnp.concatenate([lq_BxTxK, none], -1),
                 jnp.zeros(lp_BxTxK.shape[:-1], bool))
-    # Student tail: logsumexp over the V - K tokens outside the teacher's ids (exact).
-    kept_BxTxV = jnp.zeros(student_logp_BxTxV.shape, bool)
-    kept_BxTxV = jnp.put_along_axis(kept_BxTxV, teacher_ids_BxTxK, True, axis=-1,
-                                    inplace=False, mode="clip")
+    # Student tail: logsumexp over the tokens outside the teacher's used ids (exact).
+    b, t = ids_BxTxK.shape[:2]
+    count_BxTxV = jnp.zeros(student_logp_BxTxV.shape, jnp.int32).at[
+        jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], ids_BxTxK].add(
+        used_BxTxK.astype(jnp.int32))
+    kept_BxTxV = count_BxTxV > 0
     lp_tail_BxT = jax.nn.logsumexp(jnp.where(kept_BxTxV, -jnp.inf, student_logp_BxTxV), -1)
     # Teacher tail: 1 - sum_k q_k, floored.
     lq_tail_BxT = _log1mexp(jax.nn.logsumexp(lq_BxTxK, -1))

@@ -31,6 +31,7 @@ import jax
 from opd_jax import sharding as sh
 from opd_jax.checkpoint import CheckpointError
 from opd_jax.models import ModelConfig, ModelRef, Transformer, check_tokenizer, model_bytes
+from opd_jax.teachers.served import is_served, parse_spec
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,13 @@ class TeacherBank:
                  rules: sh.Rules = sh.DEFAULT_RULES):
         if not specs:
             raise ValueError("the teacher bank is empty; give at least one teacher")
-        self.specs = {k: v if isinstance(v, ModelRef) else ModelRef(str(v))
+        # A served teacher ("vllm+http://...", `teachers.served`) stays a string: the
+        # scorer talks to it; the bank neither loads nor caches it.
+        self.specs = {k: v if isinstance(v, ModelRef) or is_served(v) else ModelRef(str(v))
                       for k, v in specs.items()}
+        for k, v in self.specs.items():
+            if isinstance(v, str):
+                parse_spec(v)            # a malformed URL fails here, naming it
         if max_loaded is not None and max_loaded < 1:
             raise ValueError(f"max_loaded must be >= 1, got {max_loaded}")
         self.max_loaded, self.max_bytes = max_loaded, max_bytes
@@ -58,12 +64,27 @@ class TeacherBank:
     def keys(self) -> list[str]:
         return list(self.specs)
 
-    def validate(self, student_vocab: int, tokenizer=None, tokenizer_spec: str = "?"
-                 ) -> dict[str, ModelConfig]:
+    def is_served(self, key: str) -> bool:
+        return isinstance(self.spec(key), str)
+
+    def validate(self, student_vocab: int, tokenizer=None, tokenizer_spec: str = "?",
+                 own_tokenizers: Mapping[str, tuple] | None = None) -> dict[str, ModelConfig]:
         """Every teacher exists and shares the student's vocabulary (configs only) and, given
-        the student's `tokenizer` (`tokenizer_spec`: its config value), its tokenizer."""
+        the student's `tokenizer` (`tokenizer_spec`: its config value), its tokenizer.
+        `own_tokenizers` {key: (tokenizer, spec)}: teachers with another tokenizer
+        (`teachers.tokenizers`), checked against that one instead (their vocabulary is
+        theirs)."""
         configs = {}
+        own_tokenizers = dict(own_tokenizers or {})
         for key, spec in self.specs.items():
+            if isinstance(spec, str):   # served: vocabulary checked by its probe
+                continue
+            if key in own_tokenizers:
+                tok, tspec = own_tokenizers[key]
+                cfg = spec.model_config()
+                check_tokenizer(spec, tok, tspec, what=f"teacher {key!r} at")
+                configs[key] = cfg
+                continue
             try:
                 cfg = spec.model_config()
             except FileNotFoundError as e:
@@ -81,6 +102,8 @@ class TeacherBank:
         its reader, so a corrupt or unreadable checkpoint fails before any rollout, naming
         it; the last `max_loaded` stay cached for the first scoring."""
         for key in (self.specs if keys is None else keys):
+            if self.is_served(key):
+                continue
             try:
                 self.get(key)
             except CheckpointError as e:
@@ -88,13 +111,16 @@ class TeacherBank:
             except (OSError, ValueError) as e:
                 raise type(e)(f"teacher {key!r} at {self.specs[key].path}: {e}") from e
 
-    def spec(self, key: str) -> ModelRef:
+    def spec(self, key: str) -> ModelRef | str:
         if key not in self.specs:
             raise KeyError(f"no teacher for {key!r}; the bank has: {', '.join(sorted(self.specs))}")
         return self.specs[key]
 
     def get(self, key: str) -> Transformer:
         spec = self.spec(key)
+        if isinstance(spec, str):
+            raise ValueError(f"teacher {key!r} is served by {spec}: it has no weights here "
+                             f"(the scorer asks the server)")
         if key in self._cache:
             self._cache.move_to_end(key)
             self.stats["hits"] += 1

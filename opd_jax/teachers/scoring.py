@@ -33,6 +33,9 @@ from opd_jax.distributed import settle
 from opd_jax.episodes import align_to_student, build_sequences, prompt_ids
 from opd_jax.shapes import bucket
 from opd_jax.teachers.bank import TeacherBank
+from opd_jax.teachers.cross_tokenizer import gather_values, map_response
+from opd_jax.teachers.routing import confidence_weights
+from opd_jax.teachers.served import ServedTeacher
 
 # What a scoring forward reads from a sequence batch.
 MODEL_INPUTS = ("inputs", "targets", "segment_ids")
@@ -40,12 +43,16 @@ KINDS = ("logp", "hidden", "topk")
 
 
 def teacher_outputs(params, rest, batch: dict, *, graphdef, kind: str = "logp",
-                    top_k: int = 0, temperature: float = 1.0):
-    """A teacher's view of its own batch: target log-probs [B, T], hidden [B, T, E], or
-    (top-k ids [B, T, K] int32, their log-probs at `temperature` [B, T, K])."""
+                    top_k: int = 0, temperature: float = 1.0, entropy: bool = False):
+    """A teacher's view of its own batch: target log-probs [B, T], hidden [B, T, E] (with
+    `entropy`: (hidden, the entropy of softmax(logits / temperature) [B, T])), or (top-k ids
+    [B, T, K] int32, their log-probs at `temperature` [B, T, K])."""
     model = nnx.merge(graphdef, params, rest)
     if kind == "hidden":
-        return model(batch["inputs"], segment_ids_BxT=batch["segment_ids"], return_hidden=True)
+        h = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"], return_hidden=True)
+        if not entropy:
+            return h
+        return h, losses.token_entropy(model.logits(h), temperature)
     logits_BxTxV = model(batch["inputs"], segment_ids_BxT=batch["segment_ids"])
     if kind == "topk":
         return losses.teacher_topk(logits_BxTxV, top_k, temperature)
@@ -81,7 +88,9 @@ class TeacherScorer:
     """
 
     def __init__(self, bank: TeacherBank, tokenizer, kind: str, role: str = "student",
-                 chunk_rows: int = 0, top_k: int = 0, temperature: float = 1.0):
+                 chunk_rows: int = 0, top_k: int = 0, temperature: float = 1.0,
+                 entropy: bool = False, served: dict | None = None,
+                 tokenizers: dict | None = None):
         if kind not in KINDS:
             raise ValueError(f"teacher scoring kind {kind!r}: expected one of {KINDS}")
         if (kind == "topk") != (top_k > 0):
@@ -89,6 +98,21 @@ class TeacherScorer:
                              f"signal needs top_k >= 1, the others top_k=0")
         if not temperature > 0:
             raise ValueError(f"teacher scoring temperature={temperature}: expected > 0")
+        if entropy and kind != "hidden":
+            raise ValueError(f"teacher entropies (confidence weighting) come with the "
+                             f"hidden-state signal; got kind {kind!r}")
+        self.entropy = bool(entropy)
+        # Served teachers (`bank.is_served`): their client options (`teachers.served`), the
+        # clients once probed, and per call the [B, T] mask of sampled tokens they left
+        # without a log-prob (`invalid`: 1 there; teacher_fields -> teacher_valid).
+        self.served_opts, self._served, self.invalid = dict(served or {}), {}, {}
+        # Teachers with their own tokenizer {key: tokenizer} (`cross_tokenizer`): the
+        # sampled-token signal only.
+        self.tokenizers = dict(tokenizers or {})
+        if self.tokenizers and kind != "logp":
+            raise ValueError(f"teachers {sorted(self.tokenizers)} have another tokenizer than "
+                             f"the student: supported for the sampled-token signal "
+                             f"(kimi_mopd, glm_cross_stage), not kind {kind!r}")
         self.bank, self.tokenizer, self.kind, self.role = bank, tokenizer, kind, role
         self.top_k, self.temperature = int(top_k), float(temperature)
         self.chunk_rows = chunk_rows
@@ -102,15 +126,16 @@ class TeacherScorer:
         share it and their placement)."""
         if graphdef not in self._fns:
             fn = functools.partial(teacher_outputs, graphdef=graphdef, kind=self.kind,
-                                   top_k=self.top_k, temperature=self.temperature)
+                                   top_k=self.top_k, temperature=self.temperature,
+                                   entropy=self.entropy)
             if self.mesh is None:
                 self._fns[graphdef] = jax.jit(fn)
             else:
                 placed = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
                 batch_s = sh.batch_sharding(self.mesh, 2, self.rules)
-                out_s = {"logp": sh.batch_sharding(self.mesh, 2, self.rules),
-                         "hidden": sh.batch_sharding(self.mesh, 3, self.rules)}.get(
-                             self.kind, (sh.batch_sharding(self.mesh, 3, self.rules),) * 2)
+                b2, b3 = (sh.batch_sharding(self.mesh, n, self.rules) for n in (2, 3))
+                out_s = {"logp": b2, "hidden": (b3, b2) if self.entropy else b3,
+                         "topk": (b3, b3)}[self.kind]
                 self._fns[graphdef] = jax.jit(
                     fn, in_shardings=(placed(params), placed(rest), batch_s),
                     out_shardings=out_s)
@@ -130,6 +155,45 @@ class TeacherScorer:
                                          sh.batch_sharding(self.mesh, ndim, self.rules))
         return self._gathers[key]
 
+    def served(self, key: str) -> ServedTeacher:
+        """The client of served teacher `key`, built and probed on first use."""
+        if key not in self._served:
+            spec = self.bank.spec(key)
+            if self.kind == "hidden":
+                raise ValueError(f"teacher {key!r} is served by {spec}: a server sends "
+                                 f"log-probs, not hidden states; use a sampled-token "
+                                 f"objective (kimi_mopd, glm_cross_stage) or topk_distill")
+            opts = {k: v for k, v in self.served_opts.items() if k != "params"}
+            client = ServedTeacher(spec, self.tokenizer, top_k=self.top_k,
+                                   temperature=self.temperature, **opts)
+            client.probe()
+            self._served[key] = client
+        return self._served[key]
+
+    def _served_values(self, key: str, prompts, responses, tseq) -> tuple:
+        """A served teacher's values in the layout of `tseq` (its targets): the sampled
+        token's log-prob [R, Tt] or the top-k (ids, log-probs) [R, Tt, K], then a [R, Tt]
+        float mask, 1 on response targets the server gave no log-prob for."""
+        rows = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        scores = self.served(key).score(rows, starts=[len(p) for p in prompts])
+        R, Tt = tseq["targets"].shape
+        invalid = np.zeros((R, Tt), np.float32)
+        lp = np.zeros((R, Tt), np.float32)
+        K = max(self.top_k, 1)
+        ids, tlp = np.full((R, Tt, K), -1, np.int32), np.full((R, Tt, K), -np.inf, np.float32)
+        for r, (ps, p, resp) in enumerate(zip(scores, prompts, responses)):
+            n = len(p) + len(resp) - 1            # targets i <-> positions i + 1
+            vals = ps.lp[1:n + 1]
+            miss = np.isnan(vals)
+            lp[r, :n] = np.where(miss, 0.0, vals)
+            invalid[r, len(p) - 1:n] = miss[len(p) - 1:n]
+            if self.kind == "topk":
+                ids[r, :n], tlp[r, :n] = ps.top_ids[1:n + 1, :K], ps.top_lp[1:n + 1, :K]
+                # a response target with no top-k entry at all is masked too
+                invalid[r, len(p) - 1:n] = np.maximum(
+                    invalid[r, len(p) - 1:n], (ids[r, len(p) - 1:n] < 0).all(-1))
+        return ((ids, tlp) if self.kind == "topk" else (lp,)), invalid
+
     def _chunk(self, n_rows: int) -> int:
         """Rows per scoring forward: `chunk_rows` (or all rows), rounded up to a multiple of
         the batch shards."""
@@ -145,12 +209,18 @@ class TeacherScorer:
             raise ValueError(f"teacher scoring of {B} student rows on mesh "
                              f"{dict(self.mesh.shape)}: expected a multiple of its "
                              f"{self.shards} batch shards")
-        out = {}
+        out, self.invalid = {}, {}
         # Teachers already in the cache first: with a cache smaller than the bank, a fixed
         # order would evict each teacher just before it is needed again (every access a miss).
         loaded = set(self.bank.loaded())
         for key in sorted({k for w in weights for k in w}, key=lambda k: (k not in loaded, k)):
             rows = [b for b, w in enumerate(weights) if w.get(key, 0.0) > 0]
+            if self.bank.is_served(key):
+                out[key] = self._score_served(key, episodes, rows, student_seqs, B, T)
+                continue
+            if key in self.tokenizers:
+                out[key] = self._score_cross(key, episodes, rows, student_seqs, B, T)
+                continue
             teacher = self.bank.get(key)
             graphdef, params, rest = nnx.split(teacher, nnx.Param, ...)
             chunk = self._chunk(len(rows))
@@ -175,9 +245,66 @@ class TeacherScorer:
             parts = [c if isinstance(c, tuple) else (c,) for c in chunks]
             full = tuple(settle(self._gather(cs[0].ndim, B, T)(tuple(cs), *host))
                          for cs in zip(*parts))
-            out[key] = (rows, full if self.kind == "topk" else full[0],
+            out[key] = (rows, full if len(full) > 1 else full[0],
                         settle(teacher.unembedding()) if self.kind == "hidden" else None)
         return out
+
+    def _score_served(self, key, episodes, rows, student_seqs, B, T):
+        prompts = [prompt_ids(self.tokenizer, envs.render_prompt(episodes[b].task,
+                                                                  role=self.role))
+                   for b in rows]
+        responses = [episodes[b].response_ids for b in rows]
+        tseq = build_sequences(prompts, responses)
+        values, invalid = self._served_values(key, prompts, responses, tseq)
+        host = (np.asarray(tseq["prompt_len"], np.int32),
+                np.asarray(student_seqs["prompt_len"], np.int32)[rows],
+                np.asarray(rows, np.int32))
+        if self.mesh is not None:   # host values, replicated (every process asks the server)
+            host = tuple(sh.put(x, sh.replicated(self.mesh)) for x in host)
+            values = tuple(sh.put(v, sh.replicated(self.mesh)) for v in values)
+            invalid = sh.put(invalid, sh.replicated(self.mesh))
+        full = tuple(settle(self._gather(v.ndim, B, T)((v,), *host)) for v in values)
+        self.invalid[key] = settle(self._gather(2, B, T)((invalid,), *host))
+        return rows, full if len(full) > 1 else full[0], None
+
+    def _score_cross(self, key, episodes, rows, student_seqs, B, T):
+        """A teacher with its own tokenizer: each row's prompt rendered and its response
+        carried into the teacher's tokens (`cross_tokenizer.map_response`), scored, and the
+        teacher's log-probs gathered back onto the student's response tokens; tokens it
+        gives no value are masked (`invalid`)."""
+        ttok = self.tokenizers[key]
+        t_prompts, t_resps, assigns = [], [], []
+        exact = total = 0
+        for b in rows:
+            ep = episodes[b]
+            ids_t, assign, ex = map_response(self.tokenizer, ttok, ep.response_ids)
+            t_prompts.append(prompt_ids(ttok, envs.render_prompt(ep.task, role=self.role)))
+            t_resps.append(ids_t)
+            assigns.append(assign)
+            exact, total = exact + int(ex.sum()), total + len(ex)
+        self.cross_stats = {"exact": exact, "tokens": total}
+        teacher = self.bank.get(key)
+        graphdef, params, rest = nnx.split(teacher, nnx.Param, ...)
+        tseq = build_sequences(t_prompts, t_resps, seq_len=bucket(
+            max(len(p) + len(r) for p, r in zip(t_prompts, t_resps)) - 1, 16))
+        fn = self._fn(graphdef, params, rest)
+        lp_t = np.asarray(fn(params, rest, self._place({k: tseq[k] for k in MODEL_INPUTS})))
+        s_plen = np.asarray(student_seqs["prompt_len"], np.int32)[rows]
+        vals = np.zeros((len(rows), T), np.float32)
+        invalid = np.zeros((len(rows), T), np.float32)
+        for r, b in enumerate(rows):
+            P_t, P_s, n = len(t_prompts[r]), int(s_plen[r]), len(episodes[b].response_ids)
+            v = gather_values(assigns[r], lp_t[r, P_t - 1:P_t - 1 + len(t_resps[r])], n)
+            miss = np.isnan(v)
+            vals[r, P_s - 1:P_s - 1 + n] = np.where(miss, 0.0, v)
+            invalid[r, P_s - 1:P_s - 1 + n] = miss
+        host = (s_plen, s_plen, np.asarray(rows, np.int32))   # already in the student's layout
+        if self.mesh is not None:
+            host = tuple(sh.put(x, sh.replicated(self.mesh)) for x in host)
+            vals, invalid = (sh.put(x, sh.replicated(self.mesh)) for x in (vals, invalid))
+        full = settle(self._gather(2, B, T)((vals,), *host))
+        self.invalid[key] = settle(self._gather(2, B, T)((invalid,), *host))
+        return rows, full, None
 
     def _place(self, batch: dict) -> dict:
         return batch if self.mesh is None else sh.shard_batch(batch, self.mesh, self.rules)
@@ -194,7 +321,8 @@ class TeacherScores:
 
 
 def teacher_fields(scored: dict, weights: list[dict], kind: str,
-                   slots: list[str] | None = None, absent: dict | None = None) -> TeacherScores:
+                   slots: list[str] | None = None, absent: dict | None = None,
+                   confidence: float | None = None) -> TeacherScores:
     """The `TeacherScores` of a `TeacherScorer` result.
 
     Slot s is the s-th of `slots` (every teacher the run's routing uses, so the shapes, and
@@ -208,7 +336,10 @@ def teacher_fields(scored: dict, weights: list[dict], kind: str,
                    0, masked out by the loss), teacher_onehot [B, S].
     kind "hidden": teacher_hidden (S arrays [B, T, E_s], zeros on rows a teacher does not
                    score, masked out in the loss), teacher_weights [B, S] (= teacher_onehot),
-                   and the S unembeddings [E_s, V] as the third value.
+                   and the S unembeddings [E_s, V] as the third value. With `confidence`
+                   (a temperature; the scorer then returns (hidden, entropy [B, T]) per
+                   teacher), teacher_weights is per token [B, T, S]:
+                   `routing.confidence_weights(teacher_onehot, entropies, confidence)`.
     """
     order = sorted(scored) if slots is None else list(slots)
     missing = sorted(set(scored) - set(order))
@@ -238,9 +369,18 @@ def teacher_fields(scored: dict, weights: list[dict], kind: str,
         fields["teacher_logp"] = settle(_rows_from_teachers(vals, _like(routed_SxB, vals[0])))
         return TeacherScores(order, fields)
     absent = absent or {}
-    fields["teacher_hidden"] = tuple(scored[k][1] if k in scored else absent[k][0]
-                                     for k in order)
-    fields["teacher_weights"] = onehot
+    if confidence is None:
+        fields["teacher_hidden"] = tuple(scored[k][1] if k in scored else absent[k][0]
+                                         for k in order)
+        fields["teacher_weights"] = onehot
+    else:
+        fields["teacher_hidden"] = tuple(scored[k][1][0] if k in scored else absent[k][0]
+                                         for k in order)
+        ent = tuple(scored[k][1][1] if k in scored else
+                    zeros_like(fields["teacher_hidden"][0], onehot.shape[:1] +
+                               fields["teacher_hidden"][0].shape[1:2]) for k in order)
+        fields["teacher_weights"] = settle(_confidence(
+            _like(onehot, ent[0]), jnp.stack(ent), float(confidence)))
     return TeacherScores(order, fields, tuple(scored[k][2] if k in scored else absent[k][1]
                                               for k in order))
 
@@ -251,6 +391,11 @@ def zeros_like(x, shape) -> jax.Array:
     s = getattr(x, "sharding", None)
     return sh.put(zeros, s) if isinstance(s, jax.sharding.NamedSharding) else \
         jnp.asarray(zeros)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _confidence(prior_BxS, entropy_SxBxT, temperature):
+    return confidence_weights(prior_BxS, entropy_SxBxT, temperature)
 
 
 def _routed(order: list[str], scored: dict, B: int) -> np.ndarray:

@@ -32,7 +32,7 @@ from opd_jax.schema import (Bool, Choice, ConfigError, Field, Float, Int, Map, S
                             option_fields)
 from opd_jax.sharding import DEFAULT_RULES
 from opd_jax.teachers.merge import METHODS
-from opd_jax.teachers.routing import ROUTINGS
+from opd_jax.teachers.routing import ROUTINGS, WEIGHTINGS
 from opd_jax.trainers.objectives import OBJECTIVES
 
 # section name -> {key: Field, or a nested section `Sub(name)`}
@@ -140,6 +140,21 @@ SECTIONS["teachers"] = dict(
     weights=Map(hint="routing='mixture': cell or domain -> {key: weight}"),
     max_loaded=Int(0, lo=0, hint="LRU bound on loaded teachers; 0: unbounded"),
     prompt_role=Choice("student", ("student", "teacher")),
+    weighting=Choice("static", WEIGHTINGS, hint="confidence: per token, from each teacher's "
+                     "entropy (full-vocabulary objective)"),
+    confidence_temperature=Float(1.0, lo=0, lo_open=True,
+                                 hint="weighting='confidence': w ~ prior exp(-H / tau)"),
+    served=Sub("teachers.served"),
+    tokenizers=Map(hint="key -> tokenizer spec of a teacher with another tokenizer than the "
+                   "student's (sampled-token signal; docs/teachers.md)"),
+)
+# Teachers behind a server (a teachers.paths value "vllm+http://...", docs/teachers.md).
+SECTIONS["teachers.served"] = dict(
+    timeout_s=Float(60.0, lo=0, lo_open=True), retries=Int(3, lo=0),
+    batch_rows=Int(8, lo=1, hint="rows per request (vllm, sglang; openai: 1)"),
+    max_missing=Float(0.1, lo=0, hi=1, hint="share of sampled tokens without a log-prob "
+                      "(top-k-only servers) above which a batch is refused"),
+    params=Map(hint="key -> parameter count, for the FLOP count (else 0)"),
 )
 
 

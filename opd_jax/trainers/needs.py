@@ -130,10 +130,13 @@ class Needs:
     def scoring_kw(self, objective) -> dict:
         """How the teachers score for `objective`: for the top-k signal its ``top_k`` and
         ``temperature`` (the teacher is scored at the temperature the loss applies to the
-        student: one value, so the two sides cannot differ); otherwise nothing."""
-        if self.teacher != "topk":
-            return {}
-        return {"top_k": int(objective.top_k), "temperature": float(objective.temperature)}
+        student: one value, so the two sides cannot differ); for the hidden-state signal the
+        temperature its entropies (confidence weighting) are taken at; otherwise nothing."""
+        if self.teacher == "topk":
+            return {"top_k": int(objective.top_k), "temperature": float(objective.temperature)}
+        if self.teacher == "hidden":
+            return {"temperature": float(getattr(objective, "temperature", 1.0))}
+        return {}
 
     def wants_reference(self, objective) -> bool:
         """True when `objective`'s reference option is on (> 0)."""
@@ -168,7 +171,13 @@ class Needs:
         if self.teacher == "none":
             return
         routing = cfg.teachers.routing
-        if routing == "mixture" and not self.mixture:
+        weighting = cfg.teachers.get("weighting", "static")
+        if weighting == "confidence" and not (self.mixture and self.teacher == "hidden"):
+            raise ValueError(f"objective {name!r}: teachers.weighting='confidence' weights "
+                             f"several teachers per token from their full distributions; it "
+                             f"needs an objective that mixes hidden-state teachers: "
+                             f"{sorted(mixture_objectives)}")
+        if routing in ("mixture", "uniform") and not self.mixture:
             raise ValueError(f"objective {name!r} scores each episode with one teacher; "
                              f"teachers.routing={routing!r} weights several per episode. Use "
                              f"routing 'cell', 'domain' or 'table', or an objective that "

@@ -370,10 +370,17 @@ class DeepSeekFullVocab:
             implementation=self.implementation, **kernel_kw)
         out = {"loss": metrics["loss"], "reverse_kl": metrics["reverse_kl"]}
         mask_BxT = batch["mask"].astype(jnp.float32)
-        routed_SxB = (batch["teacher_weights"] > 0).T.astype(jnp.float32)
+        B, T = mask_BxT.shape
+        # [S, B, T] whatever the weights' form ([B, S] per row, [B, T, S] per token)
+        w_SxBxT = losses.kl.weights_KxBxT(batch["teacher_weights"], len(teachers), B, T)
         out[f"{PER_TEACHER}kl"] = jnp.stack([metrics[f"reverse_kl_teacher{s}"]
                                              for s in range(len(teachers))])
-        out[f"{PER_TEACHER}tokens"] = routed_SxB @ jnp.sum(mask_BxT, axis=1)
+        out[f"{PER_TEACHER}tokens"] = jnp.sum((w_SxBxT > 0) * mask_BxT, axis=(1, 2))
+        # The share of the minibatch's loss weight each teacher carries (sums to 1 over the
+        # teachers) and the share of its tokens it scores: over the whole (global) batch.
+        total = jnp.maximum(jnp.sum(mask_BxT), 1.0)
+        out[f"{PER_TEACHER}weight"] = jnp.sum(w_SxBxT * mask_BxT, axis=(1, 2)) / total
+        out[f"{PER_TEACHER}load"] = out[f"{PER_TEACHER}tokens"] / total
         return loss, out
 
 

@@ -24,6 +24,7 @@ from opd_jax import losses
 from opd_jax.distributed import settle
 from opd_jax.envs import cell_of
 from opd_jax.episodes import SamplingConfig, build_sequences, play
+from opd_jax.models import build_tokenizer
 from opd_jax.teachers import (TeacherBank, TeacherScorer, TeacherScores, check_routing,
                               in_row_chunks, teacher_fields)
 from opd_jax.teachers.scoring import MODEL_INPUTS, zeros_like
@@ -126,8 +127,20 @@ class Teachers:
                                           t.routing, table=dict(t.table),
                                           weights=t.weights.to_dict(),
                                           single_teacher=not needs.mixture)
+        # Confidence weighting: per token, from each teacher's entropy at the objective's
+        # temperature (the scorer returns the entropies with the hidden states).
+        self.confidence = (float(t.confidence_temperature)
+                           if t.get("weighting", "static") == "confidence" else None)
+        # Teachers with their own tokenizer (`teachers.tokenizers`: key -> tokenizer spec).
+        own = {k: (build_tokenizer(str(v)), str(v))
+               for k, v in dict(t.get("tokenizers", {})).items()}
+        unknown = sorted(set(own) - set(self.bank.keys()))
+        if unknown:
+            raise KeyError(f"teachers.tokenizers names {unknown}, not in teachers.paths "
+                           f"({sorted(self.bank.keys())})")
         self.configs = self.bank.validate(setup.model_config.vocab_size, setup.tokenizer,
-                                          tokenizer_spec)
+                                          tokenizer_spec, own_tokenizers=own)
+        # served teachers: checked by their probe
         for key, tc in self.configs.items():    # the student's own check, for each teacher
             if max_new_tokens is not None and max_new_tokens >= tc.max_position_embeddings:
                 raise ValueError(f"rollout.sampling.max_new_tokens={max_new_tokens}: expected "
@@ -139,8 +152,18 @@ class Teachers:
         # One slot per teacher the routing uses, every iteration: the batch's teacher
         # fields keep their shapes, so the train step compiles once whatever the mix.
         self.slots, self._unembeddings = used, {}
+        if self.confidence is not None:
+            scoring["entropy"] = True
+        served_opts = t.served.to_dict() if "served" in t else {}
         self.scorer = TeacherScorer(self.bank, setup.tokenizer, needs.teacher,
-                                    role=t.prompt_role, chunk_rows=chunk_rows, **scoring)
+                                    role=t.prompt_role, chunk_rows=chunk_rows,
+                                    served=served_opts,
+                                    tokenizers={k: tok for k, (tok, _) in own.items()},
+                                    **scoring)
+        self.served_params = dict(served_opts.get("params", {}))
+        for key in used:            # served teachers: probed now, before any rollout
+            if self.bank.is_served(key):
+                self.scorer.served(key)
 
     def score(self, episodes, seqs) -> tuple[TeacherScores, dict]:
         """(the iteration's teacher scores, metrics); empty scores without a teacher."""
@@ -148,13 +171,22 @@ class Teachers:
             return TeacherScores([], {}), {}
         weights = [self.cell_weights[cell_of(e.task)] for e in episodes]
         for key, rows in self.scored_rows(episodes).items():
-            builders.check_positions(max(rows), self.configs[key],
-                                     f"episodes scored by teacher {key!r}")
+            if key in self.configs:
+                builders.check_positions(max(rows), self.configs[key],
+                                         f"episodes scored by teacher {key!r}")
         scored = self.scorer(episodes, weights, seqs)
         scores = teacher_fields(scored, weights, self.needs.teacher, slots=self.slots,
-                                absent=self._absent(scored))
+                                absent=self._absent(scored), confidence=self.confidence)
+        metrics = {"teachers_loaded": float(len(self.bank.loaded()))}
+        if self.scorer.invalid:
+            # Sampled tokens a served teacher gave no log-prob for (read from its top-k
+            # only): masked out of the loss (`teacher_valid` multiplies the batch mask).
+            invalid = sum(np.asarray(v) for v in self.scorer.invalid.values())
+            scores.fields["teacher_valid"] = (invalid == 0).astype(np.int32)
+            m = np.asarray(seqs["mask"]) > 0
+            metrics["teachers/missing_frac"] = float((invalid > 0)[m].mean()) if m.any() else 0.0
         block(scores.fields)
-        return scores, {"teachers_loaded": float(len(self.bank.loaded()))}
+        return scores, metrics
 
     def scored_rows(self, episodes) -> dict[str, list[int]]:
         """{teacher key: the tokens (prompt + response) of each row it scores}."""
@@ -169,8 +201,12 @@ class Teachers:
 
     def params(self) -> dict[str, int]:
         """{teacher key: its parameter count} of the teachers the routing uses."""
-        return {key: self.configs[key].num_params() for key in self.slots} if self.enabled \
-            else {}
+        if not self.enabled:
+            return {}
+        # A served teacher's size is not known here: `teachers.served.params[key]`, or 0
+        # (its FLOPs are then not counted).
+        return {key: self.configs[key].num_params() if key in self.configs
+                else int(self.served_params.get(key, 0)) for key in self.slots}
 
     def _absent(self, scored: dict) -> dict:
         """For the hidden-state signal: (hidden zeros, unembedding) of each slot whose
@@ -181,6 +217,7 @@ class Teachers:
         for key, (_, _, w) in scored.items():
             self._unembeddings[key] = w
         first = next(iter(scored.values()))[1]     # every row is routed to some teacher
+        first = first[0] if isinstance(first, tuple) else first   # (hidden, entropy)
         B, T = first.shape[:2]
         out = {}
         for key in self.slots:

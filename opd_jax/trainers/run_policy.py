@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 import ml_collections
 
 from opd_jax import sharding as sh
@@ -98,7 +99,10 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
             metrics |= m_judge | m_rollout
             with timer("teachers"):
                 scores, m = teachers.score(episodes, seqs)
-            batch = setup.layout.shard_batch(batch | scores.fields)   # once an iteration
+            batch = batch | scores.fields
+            if "teacher_valid" in batch:      # served teachers' missing log-probs: masked
+                batch["mask"] = batch["mask"] * np.asarray(batch.pop("teacher_valid"))
+            batch = setup.layout.shard_batch(batch)                   # once an iteration
             with timer("old_logp"):
                 if needs.old_logp:
                     batch, m_old = old_logprobs(run.state, batch)

@@ -149,10 +149,14 @@ def divergence(kind, s_BxTxV, t_logits, m, weights=None, tau=1.0, beta=0.5):
     stacked = np.ndim(t_logits) == 4
     qs = np.exp(log_softmax(t_logits, tau)) if stacked else np.exp(log_softmax(t_logits, tau))[None]
     k, b = qs.shape[0], p.shape[0]
+    t = p.shape[1]
     if weights is None:
-        w = np.full((b, k), 1.0 / k)
+        w = np.full((b, t, k), 1.0 / k)
+    elif np.ndim(weights) == 3:                 # per token [B, T, K]
+        w = np.asarray(weights, np.float64)
     else:
         w = np.broadcast_to(weights, (b, k)) if np.ndim(weights) == 1 else np.asarray(weights)
+        w = np.broadcast_to(np.asarray(w, np.float64)[:, None, :], (b, t, k))
     per = np.zeros(p.shape[:2])
     for kk in range(k):
         q = qs[kk]
@@ -163,7 +167,7 @@ def divergence(kind, s_BxTxV, t_logits, m, weights=None, tau=1.0, beta=0.5):
         else:
             mix = beta * p + (1 - beta) * q
             d = beta * kl(p, mix) + (1 - beta) * kl(q, mix)
-        per += w[:, kk][:, None] * d
+        per += w[:, :, kk] * d
     return aggregate(per, m)
 
 

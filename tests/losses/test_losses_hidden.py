@@ -57,6 +57,35 @@ def test_reverse_kl_stacked_teachers(weights):
     _check(f_h, f_l, h_s, w_s, ["loss", "reverse_kl", "reverse_kl_teacher0", "reverse_kl_teacher1"])
 
 
+def _per_token_weights(k, seed=3, zero_teacher_on_row=None):
+    """Confidence-like weights [B, T, K]: positive, summing to 1 per token; optionally 0 for
+    teacher `zero_teacher_on_row` = (k, b) on one row (the routed form skips those tokens)."""
+    w = np.random.default_rng(seed).dirichlet(np.ones(k), size=(B, T)).astype(np.float32)
+    if zero_teacher_on_row is not None:
+        kk, b = zero_teacher_on_row
+        w[b, :, kk] = 0.0
+        w[b] /= w[b].sum(-1, keepdims=True)
+    return jnp.asarray(w)
+
+
+def test_reverse_kl_per_token_weights_stacked_and_routed():
+    """Per-token weights [B, T, K] (confidence weighting): the stacked and the routed
+    (sequence) hidden forms equal the logits form, values, metrics and gradients."""
+    h_s, w_s, h_t, w_t, _, mask = _setup(k=3, seed=2)
+    t_logits = jnp.einsum("kbte,kev->kbtv", h_t, w_t)
+    w = _per_token_weights(3)
+    f_l = lambda h, ws: reverse_kl_loss(h @ ws, t_logits, mask, weights=w)
+    f_h = lambda h, ws: reverse_kl_loss_from_hidden(h, ws, h_t, w_t, mask, weights=w, **KW)
+    _check(f_h, f_l, h_s, w_s, ["loss", "reverse_kl", "reverse_kl_teacher0"])
+    w = _per_token_weights(3, zero_teacher_on_row=(1, 0))
+    f_l = lambda h, ws: reverse_kl_loss(h @ ws, t_logits, mask, weights=w)
+    f_r = lambda h, ws: reverse_kl_loss_from_hidden(h, ws, tuple(h_t), tuple(w_t), mask,
+                                                    weights=w, **KW)
+    _check(f_r, f_l, h_s, w_s, ["loss", "reverse_kl"])
+    with pytest.raises(ValueError, match=r"\[B, T, K\] = \(2, 7, 3\)"):
+        reverse_kl_loss_from_hidden(h_s, w_s, h_t, w_t, mask, weights=w[:, :3], **KW)
+
+
 def test_kimi_mopd_matches_logits():
     h_s, w_s, h_t, w_t, y, mask = _setup(seed=2)
 

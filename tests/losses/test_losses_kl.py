@@ -28,11 +28,12 @@ def make_inputs(seed, dtype=np.float32):
 
 
 @pytest.mark.parametrize("kind", ["reverse", "forward", "jsd"])
-@pytest.mark.parametrize("teachers", ["single", "uniform", "w_K", "w_BxK"])
+@pytest.mark.parametrize("teachers", ["single", "uniform", "w_K", "w_BxK", "w_BxTxK"])
 def test_divergences_match_numpy(kind, teachers):
     s, t, m, w_K, w_BxK = make_inputs(0)
     teacher = t[0] if teachers == "single" else t
-    w = {"w_K": w_K, "w_BxK": w_BxK}.get(teachers)
+    w_BxTxK = np.random.default_rng(1).dirichlet(np.ones(K), size=(B, T)).astype(np.float32)
+    w = {"w_K": w_K, "w_BxK": w_BxK, "w_BxTxK": w_BxTxK}.get(teachers)
     for tau in (1.0, 0.7):
         kw = dict(beta=0.3) if kind == "jsd" else {}
         loss, mt = LOSSES[kind](jnp.asarray(s), jnp.asarray(teacher), jnp.asarray(m),

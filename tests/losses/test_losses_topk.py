@@ -147,3 +147,21 @@ def test_bad_inputs_are_refused_with_the_value():
         topk_kl_loss(s, ids, lq[..., :2], m)
     with pytest.raises(ValueError, match="k=10"):
         teacher_topk(t, 10)
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_unused_slots_hold_no_mass_and_leave_it_in_the_tail(direction):
+    """ids < 0 (a server that sent fewer than K tokens): the loss equals the loss over the
+    used slots alone, values and gradients; a position with no used slot compares the
+    student's whole mass (tail) with the teacher's (1): 0."""
+    s, t, m = inputs(6)
+    ids, lq = teacher_topk(t, 3)
+    pad_ids = jnp.concatenate([ids, jnp.full((B, T, 2), -1, jnp.int32)], -1)
+    pad_lq = jnp.concatenate([lq, jnp.full((B, T, 2), 7.0)], -1)   # garbage: must be ignored
+    f = lambda x: topk_kl_loss(x, ids, lq, m, direction=direction)[0]          # noqa: E731
+    g = lambda x: topk_kl_loss(x, pad_ids, pad_lq, m, direction=direction)[0]  # noqa: E731
+    np.testing.assert_allclose(g(s), f(s), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(g)(s), jax.grad(f)(s), rtol=1e-5, atol=1e-7)
+    none = jnp.full((B, T, 2), -1, jnp.int32)
+    np.testing.assert_allclose(float(topk_kl_loss(s, none, jnp.zeros((B, T, 2)), m,
+                                                  direction=direction)[0]), 0.0, atol=1e-6)

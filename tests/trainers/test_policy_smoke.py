@@ -20,10 +20,10 @@ SMALL = ["--config.model.hidden_size=32", "--config.model.intermediate_size=64",
          "--config.eval.n=4", "--config.eval.sampling.max_new_tokens=8"]
 
 
-def _teacher(path, vocab=128):
+def _teacher(path, vocab=128, seed=1):
     cfg = ModelConfig(vocab_size=vocab, hidden_size=48, intermediate_size=64, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=8, tie_embeddings=True)
-    save_pretrained(random_model(cfg, seed=1), path)
+    save_pretrained(random_model(cfg, seed=seed), path)
     return str(path)
 
 
@@ -94,6 +94,28 @@ def test_opd_objectives_run(tmp_path, objective):
     assert rec["flops"]["teacher"] == 2.0 * n_t * tok["rollout"]
     assert rec["flops"]["train"] == 6.0 * n * tok["trained"]
     assert rec["flops"]["total"] == sum(v for k, v in rec["flops"].items() if k != "total")
+
+
+def test_full_vocab_confidence_weighted_ensemble_runs(tmp_path):
+    """teachers.routing='uniform' + weighting='confidence': every teacher scores every row,
+    weights per token from their entropies; the per-teacher weight metrics sum to 1 and
+    each teacher's load is the whole batch."""
+    a, b = _teacher(tmp_path / "a"), _teacher(tmp_path / "b", seed=5)
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/opd.py:deepseek_full_vocab"),
+                      SMALL + ["--config.train.steps=1", "--config.teachers.routing=uniform",
+                               "--config.teachers.weighting=confidence",
+                               f"--config.teachers.paths={{'a': '{a}', 'b': '{b}'}}"])
+    last = train_policy(cfg, str(tmp_path / "run"), progress=False)["history"][-1]
+    w = [last["teacher/a/weight"], last["teacher/b/weight"]]
+    assert abs(sum(w) - 1.0) < 1e-5 and min(w) > 0 and w[0] != w[1], w
+    assert last["teacher/a/load"] == last["teacher/b/load"] == 1.0
+    assert last["teacher/a/tokens"] == last["teacher/b/tokens"] > 0
+    kimi = os.path.join(ROOT, "opd_jax/configs/opd.py:kimi_mopd")
+    for over, msg in (("--config.teachers.weighting=confidence", "weighting='confidence'"),
+                      ("--config.teachers.routing=uniform", "routing='uniform'")):
+        bad = load_config(kimi, SMALL + [over, f"--config.teachers.paths={{'a': '{a}'}}"])
+        with pytest.raises(ValueError, match=msg):
+            train_policy(bad, str(tmp_path / "bad"), progress=False)
 
 
 def test_opd_bad_banks_fail_early(tmp_path):

@@ -47,3 +47,28 @@ def test_check_routing_errors(kwargs, err, match):
     routing = kwargs.pop("routing")
     with pytest.raises(err, match=match):
         check_routing(CELLS, keys, routing, **kwargs)
+
+
+def test_uniform_routing_weights_every_teacher_of_the_bank():
+    from opd_jax.teachers.routing import check_routing
+    out = check_routing([("general", "high"), ("coding", "low")], ["a", "b", "c", "d"],
+                        "uniform")
+    assert out == {c: {k: 0.25 for k in "abcd"} for c in ("general/high", "coding/low")}
+    with pytest.raises(ValueError, match="routing='uniform' needs the full-vocabulary"):
+        check_routing([("general", "high")], ["a"], "uniform", single_teacher=True)
+
+
+def test_confidence_weights_favour_the_confident_teacher_and_keep_the_prior():
+    """w ~ prior exp(-H / tau) per token, normalised over teachers: lower entropy, more
+    weight; a teacher with prior 0 stays at 0; tau -> inf gives the prior back."""
+    import numpy as np
+    from opd_jax.teachers.routing import confidence_weights
+    prior = np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]], np.float32)         # [B=2, S=3]
+    H = np.broadcast_to(np.array([0.1, 1.0, 0.5], np.float32)[:, None, None], (3, 2, 4))  # [S, B, T]
+    w = np.asarray(confidence_weights(prior, H, 1.0))                         # [2, 4, 3]
+    np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+    assert np.all(w[0, :, 2] == 0.0) and np.all(w[0, :, 0] > w[0, :, 1])
+    want = prior[1] * np.exp(-np.array([0.1, 1.0, 0.5]))
+    np.testing.assert_allclose(w[1, 0], want / want.sum(), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(confidence_weights(prior, H, 1e6))[:, 0], prior,
+                               rtol=1e-5, atol=1e-6)

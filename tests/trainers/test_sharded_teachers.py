@@ -159,6 +159,33 @@ def test_sharded_topk_scores_equal_unsharded_and_the_teacher_run_directly(paths)
         TeacherScorer(TeacherBank(paths), tok, "topk")
 
 
+def test_confidence_weights_on_the_mesh_equal_the_whole_batch(paths):
+    """Confidence weighting (NeMo-RL's review found weights computed per data-parallel
+    rank): the per-token weights from the sharded scorer's entropies on the (2, 2, 2) mesh
+    equal those of the unsharded one, sum to 1 per token, and follow the entropies (the
+    teacher with the lower entropy at a token weighs more there)."""
+    tok, eps, seqs = _episodes(8)
+    weights = [{"hf": 0.5, "orbax": 0.5}] * 8
+    mesh = sh.make_mesh((2, 2, 2))
+    kw = dict(chunk_rows=4, temperature=1.0, entropy=True)
+    sharded = TeacherScorer(TeacherBank(paths, mesh=mesh), tok, "hidden", **kw)(
+        eps, weights, seqs)
+    whole = TeacherScorer(TeacherBank(paths), tok, "hidden", **kw)(eps, weights, seqs)
+    f_s = teacher_fields(sharded, weights, "hidden", confidence=0.5).fields
+    f_w = teacher_fields(whole, weights, "hidden", confidence=0.5).fields
+    w_s, w_w = np.asarray(f_s["teacher_weights"]), np.asarray(f_w["teacher_weights"])
+    assert w_s.shape == (8, seqs["mask"].shape[1], 2)
+    assert f_s["teacher_weights"].sharding.mesh == mesh
+    np.testing.assert_allclose(w_s, w_w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(w_s.sum(-1), 1.0, rtol=1e-6)
+    order = teacher_fields(whole, weights, "hidden", confidence=0.5).order
+    H = np.stack([np.asarray(whole[k][1][1]) for k in order])       # [S, B, T]
+    m = seqs["mask"].astype(bool)
+    apart = (np.abs(H[0] - H[1]) > 1e-4) & m
+    assert apart.any()
+    np.testing.assert_array_equal((w_w[..., 0] > 0.5)[apart], (H[0] < H[1])[apart])
+
+
 def _full_vocab_step(mesh, spy_calls):
     """One deepseek_full_vocab policy step on `mesh` (2 teachers of widths 24 and 32,
     rows routed between them); (params after the step, metrics, the objective)."""

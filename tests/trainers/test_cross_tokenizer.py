@@ -1,0 +1,149 @@
+"""A teacher with another tokenizer (`opd_jax.teachers.cross_tokenizer`): character spans,
+the teacher's log-probs carried back to the student's tokens (exact where the boundaries
+agree, sums preserved where they do not), and equal tokenizers giving the plain values."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from opd_jax.models import synthetic_tokenizer
+from opd_jax.teachers.cross_tokenizer import (align_logprobs, char_spans, map_response,
+                                              retokenize)
+
+TOK = synthetic_tokenizer()
+
+
+class Words:
+    """A toy coarser tokenizer: one id per run of letters, digits, or any other character."""
+
+    def __init__(self):
+        self.vocab: dict[str, int] = {}
+
+    def encode(self, text, add_special_tokens=False):
+        import re
+        return [self.vocab.setdefault(p, len(self.vocab))
+                for p in re.findall(r"[A-Za-z]+|[0-9]+|.", text, re.S)]
+
+    def decode(self, ids):
+        inv = {v: k for k, v in self.vocab.items()}
+        return "".join(inv[i] for i in ids)
+
+
+def test_char_spans_tile_the_text():
+    ids = TOK.encode("12 + 30 = 42")
+    text, spans = char_spans(TOK, ids)
+    assert text == "12 + 30 = 42" and spans[0] == (0, 1) and spans[-1] == (11, 12)
+    assert all(b == a2 for (_, b), (a2, _) in zip(spans, spans[1:]))
+
+
+def test_equal_tokenizers_give_the_teachers_own_values():
+    text = "x = 7; y = x + 35"
+    ids, spans = retokenize(TOK, text)
+    lp = -np.random.default_rng(0).random(len(ids))
+    vals, exact = align_logprobs(spans, spans, lp)
+    np.testing.assert_array_equal(vals, lp)
+    assert exact.all()
+
+
+def test_a_finer_teacher_is_exact_and_sums_its_characters():
+    """Character-level teacher, word-level student: each student token's value is the sum
+    of its characters' log-probs, and every token is exact."""
+    text = "total = 12 + 30"
+    words = Words()
+    s_ids = words.encode(text)
+    _, s_spans = char_spans(words, s_ids)
+    t_ids, t_spans = retokenize(TOK, text)
+    lp = -np.random.default_rng(1).random(len(t_ids))
+    vals, exact = align_logprobs(s_spans, t_spans, lp)
+    want = [sum(lp[c] for c in range(a, b)) for a, b in s_spans]
+    np.testing.assert_allclose(vals, want, rtol=1e-12)
+    assert exact.all() and len(s_ids) < len(t_ids)
+
+
+def test_a_straddling_teacher_token_goes_where_it_ends_and_stretch_sums_are_kept():
+    s_spans = [(0, 3), (3, 6), (6, 8)]
+    t_spans = [(0, 2), (2, 4), (4, 6), (6, 8)]
+    lp = np.array([-1.0, -2.0, -3.0, -4.0])
+    vals, exact = align_logprobs(s_spans, t_spans, lp)
+    np.testing.assert_allclose(vals, [-1.0, -5.0, -4.0])
+    assert exact.tolist() == [False, False, True]
+    assert vals[:2].sum() == lp[:3].sum()               # the stretch [0, 6) is exact
+    masked, _ = align_logprobs(s_spans, t_spans, lp, exact_only=True)
+    assert np.isnan(masked[:2]).all() and masked[2] == -4.0
+
+
+def test_a_token_with_no_text_has_no_value():
+    vals, exact = align_logprobs([(0, 2), (2, 2), (2, 3)], [(0, 1), (1, 2), (2, 3)],
+                                 [-1.0, -1.0, -1.0])
+    assert np.isnan(vals[1]) and not exact[1] and vals[0] == -2.0
+
+
+# -- an OPD step with a teacher of another tokenizer ---------------------------------------------
+def _opd(tmp_path, name, paths, tokenizers=None, extra=()):
+    import os
+    from opd_jax.config import load_config
+    from opd_jax.trainers.run_policy import train_policy
+    from tests.trainers.test_policy_smoke import ROOT, SMALL
+    small = [o for o in SMALL if not o.startswith("--config.model.")] if extra else SMALL
+    over = small + ["--config.train.steps=1", f"--config.teachers.paths={paths!r}", *extra]
+    if tokenizers:
+        over.append(f"--config.teachers.tokenizers={tokenizers!r}")
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/opd.py:kimi_mopd"), over)
+    return train_policy(cfg, str(tmp_path / name), progress=False)["history"][0]
+
+
+def test_the_cross_tokenizer_path_with_equal_tokenizers_is_the_plain_path(tmp_path):
+    """The shipped base as the student (its rollouts are text, specials and EOS, as a
+    trained model's are; a random model also samples the padding rows past the tokenizer,
+    which have no text and are masked), a random teacher: the cross path's values are the
+    plain path's, so the step is."""
+    from tests.trainers.test_policy_smoke import _teacher
+    t = _teacher(tmp_path / "t", seed=4)
+    base = ["--config.model.init_from=builtin:base", "--config.tasks.difficulty=1",
+            "--config.rollout.sampling.max_new_tokens=48"]
+    plain = _opd(tmp_path, "plain", {"general/high": t}, extra=base)
+    cross = _opd(tmp_path, "cross", {"general/high": t}, {"general/high": "synthetic"},
+                 extra=base)
+    assert cross["teachers/missing_frac"] == 0.0
+    for name in ("loss", "grad_norm", "teacher/general/high/log_ratio",
+                 "teacher/general/high/tokens"):
+        np.testing.assert_allclose(cross[name], plain[name], rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+
+
+def test_a_teacher_with_the_qwen_tokenizer_scores_a_synthetic_student(tmp_path):
+    """A teacher whose tokenizer is Qwen's BPE (151k ids) scores a char-level student: the
+    student's text is re-tokenized for it, and its log-probs come back per student token
+    (char-level student, coarser teacher: tokens a teacher token straddles are not exact;
+    those with no value are masked and counted)."""
+    from opd_jax.models import ModelConfig, build_qwen_tokenizer, load_tokenizer, save_pretrained
+    from tests.models.helpers import random_model
+    qdir = build_qwen_tokenizer(tmp_path / "qwen_tok")
+    vocab = -(-len(load_tokenizer(qdir)) // 128) * 128
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, tie_embeddings=True)
+    save_pretrained(random_model(cfg, seed=2), tmp_path / "qt")
+    h = _opd(tmp_path, "run", {"general/high": str(tmp_path / "qt")},
+             {"general/high": str(qdir)})
+    assert h["teacher/general/high/tokens"] > 0
+    assert np.isfinite(h["loss"]) and np.isfinite(h["teacher/general/high/log_ratio"])
+    assert 0.0 <= h["teachers/missing_frac"] < 1.0
+    with pytest.raises(ValueError, match="teacher vocab .* != student vocab 128"):
+        _opd(tmp_path, "bad", {"general/high": str(tmp_path / "qt")})
+
+
+def test_map_response_carries_specials_and_masks_padding_rows():
+    words = Words()
+    text_ids = TOK.encode("ab 12")
+    eos, user = TOK.eos_token_id, TOK.convert_tokens_to_ids("<|user|>")
+    resp = text_ids + [user, 120] + TOK.encode("x") + [eos]      # 120: past the tokenizer
+    want = words.encode("ab 12") + [90] + words.encode("x") + [99]
+    words.vocab |= {"<|user|>": 90}
+    words.eos_token_id = 99
+    words.get_vocab = lambda: dict(words.vocab)
+    t_ids, assign, exact = map_response(TOK, words, resp)
+    assert t_ids == want
+    n = len(text_ids)
+    assert exact[n] and exact[-1] and not exact[n + 1]
+    assert assign[len(words.encode("ab 12"))] == n and assign[-1] == len(resp) - 1
+    assert (n + 1) not in set(assign.tolist())
