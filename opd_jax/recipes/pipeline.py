@@ -139,7 +139,15 @@ def check_same_stage(stage: Stage, record: dict, workdir: str) -> None:
     if old == new:
         return
     a, b = _flat(old), _flat(new)
-    diff = sorted(k for k in a.keys() | b.keys() if a.get(k, "<absent>") != b.get(k, "<absent>"))
+    root = "merge" if stage.kind == "merge" else config_schema.root_of(stage.config)
+    # A key the old record lacks that holds its schema default now was added since (by a
+    # newer version of the code): the same stage.
+    added = {k for k in b.keys() - a.keys() if k.startswith("config.")
+             and config_schema.added_with_default(root, k[len("config."):], b[k])}
+    diff = sorted(k for k in (a.keys() | b.keys()) - added
+                  if a.get(k, "<absent>") != b.get(k, "<absent>"))
+    if not diff:
+        return
     shown = ", ".join(f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
                       for k in diff[:6])
     raise ValueError(

@@ -21,6 +21,7 @@ devices, the memory estimate) stay beside the code that needs them (`builders`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 
 import ml_collections
@@ -246,6 +247,36 @@ def root_of(cfg) -> str:
     if "data" in cfg:
         return "sft"
     return "eval_root"
+
+
+_NO_DEFAULT = object()
+
+
+def declared_default(root: str, dotted: str):
+    """The schema default of key `dotted` ("teachers.served.retries") of a `root` config, or
+    `_NO_DEFAULT` when the schema declares none there (an undeclared key, a free-form map's
+    entry, an objective option)."""
+    fields = SECTIONS.get(root, {})
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        f = fields.get(part) if isinstance(fields, dict) else None
+        if f is None:
+            return _NO_DEFAULT
+        if isinstance(f, Sub):
+            fields = SECTIONS.get(f.name, {})
+            continue
+        return _copy(f.default) if i == len(parts) - 1 else _NO_DEFAULT
+    return _NO_DEFAULT
+
+
+def added_with_default(root: str, dotted: str, value) -> bool:
+    """True when a key that a config written by an older version lacks holds its schema
+    default here (a key added since, which changes nothing)."""
+    default = declared_default(root, dotted)
+    if default is _NO_DEFAULT:
+        return False
+    norm = lambda v: json.loads(json.dumps(v, default=str))   # noqa: E731  (tuples, ConfigDicts)
+    return norm(default) == norm(value)
 
 
 def validate(cfg, root: str | None = None, *, where: str = "") -> None:

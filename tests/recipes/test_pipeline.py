@@ -10,7 +10,8 @@ import pytest
 
 from opd_jax.config import load_config
 from opd_jax.recipes import EVAL_DIFFICULTY, TESTBED, recipe_module, report as rp
-from opd_jax.recipes.pipeline import (Stage, check_stages, resolved_config, run_stages,
+from opd_jax.recipes.pipeline import (Stage, check_stages, resolved_config, run_stage,
+                                      run_stages,
                                       stage_identity)
 from opd_jax.trainers import builders
 
@@ -238,3 +239,24 @@ def test_sft_demos_follow_the_cells():
     tasks.cells = ("coding/low",)
     with pytest.raises(ValueError, match=r"tasks.cells \['coding/low'\] are not in"):
         builders.task_demo_examples(tasks)
+
+
+def test_a_key_added_since_with_its_default_is_the_same_stage(tmp_path):
+    """A stage finished by an older version whose config lacks keys added since: the same
+    stage when those keys hold their schema defaults; not when one holds another value."""
+    c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:smoke"))
+    student = next(s for s in recipe_module("kimi_k3").build(c, 0) if s.name == "student")
+    old = stage_identity(student)
+    del old["config"]["teachers"]["served"], old["config"]["teachers"]["weighting"]
+    (tmp_path / "student").mkdir()
+    record = {"stage": "student", "wall_s": 1.0, "identity": old}
+    (tmp_path / "student" / "done.json").write_text(json.dumps(record))
+    assert run_stage(student, str(tmp_path), progress=False) == record
+    cfg = student.config.to_dict()
+    cfg["teachers"]["weighting"] = "confidence"
+    import dataclasses
+    import ml_collections
+    changed = dataclasses.replace(student, config=ml_collections.ConfigDict(cfg))
+    with pytest.raises(ValueError, match="1 differ: config.teachers.weighting: '<absent>' -> "
+                                         "'confidence'"):
+        run_stage(changed, str(tmp_path), progress=False)
