@@ -125,3 +125,21 @@ def test_objective_options_are_checked_when_built(tmp_path):
     cfg.objective.options = ml_collections.ConfigDict({"correction": "is"})
     with pytest.raises(ValueError, match="correction"):
         train_policy(cfg, str(tmp_path / "bad"), progress=False)
+
+
+def test_undeclared_old_logprobs_fail_instead_of_reading_zeros(tmp_path):
+    """An objective that reads batch["old_logp"] without declaring it (Needs.old_logp False)
+    fails with a KeyError naming it: the driver never fills it with zeros."""
+    @dataclasses.dataclass(frozen=True)
+    class ReadsOld(TeacherLogpReward):
+        name: ClassVar[str] = "example_reads_old"
+
+        def __call__(self, model, batch, teachers=()):
+            return losses.masked_mean(student_logp(model, batch) - batch["old_logp"],
+                                      batch["mask"]), {}
+    register(ReadsOld)
+    try:
+        with pytest.raises(KeyError, match="old_logp"):
+            train_policy(_cfg(tmp_path, ReadsOld.name), str(tmp_path / "run"), progress=False)
+    finally:
+        OBJECTIVES.pop(ReadsOld.name)
