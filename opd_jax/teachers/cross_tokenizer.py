@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from opd_jax.models.tokenizers import tokenizer_fingerprint
+
 
 def char_spans(tokenizer, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
     """(decode(ids), the [start, end) character span of each id in it), from incremental
@@ -154,3 +156,79 @@ def _teacher_special(teacher_tok, token: str) -> int | None:
     """The teacher's id of special token string `token`, or None when it has none."""
     vocab = teacher_tok.get_vocab() if hasattr(teacher_tok, "get_vocab") else {}
     return vocab.get(token)
+
+
+class StringIds:
+    """Token string -> id for servers that send top-k tokens as strings: the decoding of
+    every id of the tokenizer; a string that several ids decode to (byte fallbacks, special
+    tokens) maps to None."""
+
+    def __init__(self, tokenizer):
+        self.decode = lambda i: tokenizer.decode([int(i)])
+        first: dict[str, int | None] = {}
+        for i in range(len(tokenizer)):
+            s = self.decode(i)
+            first[s] = None if s in first else i
+        self.ids = first
+
+    def __call__(self, s: str) -> int | None:
+        return self.ids.get(s)
+
+
+def vocab_map(teacher_tok, student_tok, teacher_vocab: int) -> np.ndarray:
+    """[teacher_vocab] int64: the student id whose text is a teacher id's text (the one id
+    the student tokenizer decodes to it), the end-of-sequence tokens by role, -1 where the
+    student has no single token for it (a multi-token string, an id past the teacher
+    tokenizer): the shared vocabulary of the top-k signal across tokenizers. Two tokenizers
+    with one fingerprint share every id (the identity)."""
+    if _same_tokenizer(teacher_tok, student_tok):
+        return np.arange(int(teacher_vocab), dtype=np.int64)
+    names = StringIds(student_tok)
+    out = np.full(int(teacher_vocab), -1, np.int64)
+    for tid in range(min(len(teacher_tok), int(teacher_vocab))):
+        sid = names(teacher_tok.decode([tid]))
+        if sid is not None:
+            out[tid] = sid
+    eos_t = getattr(teacher_tok, "eos_token_id", None)
+    if eos_t is not None and eos_t < teacher_vocab:
+        out[eos_t] = student_tok.eos_token_id
+    return out
+
+
+def _same_tokenizer(a, b) -> bool:
+    try:
+        return tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
+    except (AttributeError, TypeError):     # not an HF tokenizer (a test's toy)
+        return False
+
+
+def one_to_one(assign: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """[S] int64: for each student token, the one teacher token that is exactly it (its span
+    is that teacher token's), else -1: the positions where the teacher's next-token
+    distribution is a distribution over the student's next token."""
+    count = np.bincount(assign[assign >= 0], minlength=len(exact))
+    out = np.full(len(exact), -1, np.int64)
+    for u, t in enumerate(assign):
+        if t >= 0 and exact[t] and count[t] == 1:
+            out[t] = u
+    return out
+
+
+def map_topk(ids_K: np.ndarray, lp_K: np.ndarray, vmap: np.ndarray) -> tuple[np.ndarray,
+                                                                           np.ndarray]:
+    """One position's teacher top-k in student ids: ids through `vmap` (-1: no student
+    token, its mass left to the tail), two teacher ids of one student id merged
+    (log-sum-exp into the first slot, the second unused)."""
+    sids = np.where(ids_K >= 0, vmap[np.clip(ids_K, 0, len(vmap) - 1)], -1)
+    out_ids, out_lp = np.full_like(sids, -1), np.full(lp_K.shape, -np.inf)
+    slot = {}
+    for i, (sid, lp) in enumerate(zip(sids, lp_K)):
+        if sid < 0:
+            continue
+        if sid in slot:
+            j = slot[sid]
+            out_lp[j] = np.logaddexp(out_lp[j], lp)
+        else:
+            slot[sid] = i
+            out_ids[i], out_lp[i] = sid, lp
+    return out_ids, out_lp

@@ -33,7 +33,8 @@ from opd_jax.distributed import settle
 from opd_jax.episodes import align_to_student, build_sequences, prompt_ids
 from opd_jax.shapes import bucket
 from opd_jax.teachers.bank import TeacherBank
-from opd_jax.teachers.cross_tokenizer import gather_values, map_response
+from opd_jax.teachers.cross_tokenizer import (gather_values, map_response, map_topk,
+                                              one_to_one, vocab_map)
 from opd_jax.teachers.routing import confidence_weights
 from opd_jax.teachers.served import ServedTeacher
 
@@ -109,10 +110,11 @@ class TeacherScorer:
         # Teachers with their own tokenizer {key: tokenizer} (`cross_tokenizer`): the
         # sampled-token signal only.
         self.tokenizers = dict(tokenizers or {})
-        if self.tokenizers and kind != "logp":
+        if self.tokenizers and kind == "hidden":
             raise ValueError(f"teachers {sorted(self.tokenizers)} have another tokenizer than "
-                             f"the student: supported for the sampled-token signal "
-                             f"(kimi_mopd, glm_cross_stage), not kind {kind!r}")
+                             f"the student: supported for the sampled-token and top-k "
+                             f"signals, not the full vocabulary (hidden states)")
+        self._vmaps = {}
         self.bank, self.tokenizer, self.kind, self.role = bank, tokenizer, kind, role
         self.top_k, self.temperature = int(top_k), float(temperature)
         self.chunk_rows = chunk_rows
@@ -273,7 +275,7 @@ class TeacherScorer:
         teacher's log-probs gathered back onto the student's response tokens; tokens it
         gives no value are masked (`invalid`)."""
         ttok = self.tokenizers[key]
-        t_prompts, t_resps, assigns = [], [], []
+        t_prompts, t_resps, assigns, exacts = [], [], [], []
         exact = total = 0
         for b in rows:
             ep = episodes[b]
@@ -281,6 +283,7 @@ class TeacherScorer:
             t_prompts.append(prompt_ids(ttok, envs.render_prompt(ep.task, role=self.role)))
             t_resps.append(ids_t)
             assigns.append(assign)
+            exacts.append(ex)
             exact, total = exact + int(ex.sum()), total + len(ex)
         self.cross_stats = {"exact": exact, "tokens": total}
         teacher = self.bank.get(key)
@@ -288,23 +291,45 @@ class TeacherScorer:
         tseq = build_sequences(t_prompts, t_resps, seq_len=bucket(
             max(len(p) + len(r) for p, r in zip(t_prompts, t_resps)) - 1, 16))
         fn = self._fn(graphdef, params, rest)
-        lp_t = np.asarray(fn(params, rest, self._place({k: tseq[k] for k in MODEL_INPUTS})))
+        out = fn(params, rest, self._place({k: tseq[k] for k in MODEL_INPUTS}))
         s_plen = np.asarray(student_seqs["prompt_len"], np.int32)[rows]
-        vals = np.zeros((len(rows), T), np.float32)
         invalid = np.zeros((len(rows), T), np.float32)
+        if self.kind == "topk":
+            if key not in self._vmaps:
+                self._vmaps[key] = vocab_map(ttok, self.tokenizer, teacher.config.vocab_size)
+            vmap, (tid, tlp) = self._vmaps[key], (np.asarray(x) for x in out)
+            K = tid.shape[-1]
+            ids = np.full((len(rows), T, K), -1, np.int32)
+            lps = np.full((len(rows), T, K), -np.inf, np.float32)
+        else:
+            lp_t = np.asarray(out)
+            vals = np.zeros((len(rows), T), np.float32)
         for r, b in enumerate(rows):
             P_t, P_s, n = len(t_prompts[r]), int(s_plen[r]), len(episodes[b].response_ids)
-            v = gather_values(assigns[r], lp_t[r, P_t - 1:P_t - 1 + len(t_resps[r])], n)
-            miss = np.isnan(v)
-            vals[r, P_s - 1:P_s - 1 + n] = np.where(miss, 0.0, v)
+            if self.kind == "topk":
+                # the teacher's next-token distribution is over the student's next token
+                # only where one teacher token is exactly it (`one_to_one`)
+                u_of = one_to_one(assigns[r], exacts[r])
+                for t in range(n):
+                    if u_of[t] >= 0:
+                        i = P_t - 1 + int(u_of[t])
+                        ids[r, P_s - 1 + t], lps[r, P_s - 1 + t] = map_topk(tid[r, i], tlp[r, i],
+                                                                            vmap)
+                miss = (u_of < 0) | (ids[r, P_s - 1:P_s - 1 + n] < 0).all(-1)
+            else:
+                v = gather_values(assigns[r], lp_t[r, P_t - 1:P_t - 1 + len(t_resps[r])], n)
+                miss = np.isnan(v)
+                vals[r, P_s - 1:P_s - 1 + n] = np.where(miss, 0.0, v)
             invalid[r, P_s - 1:P_s - 1 + n] = miss
+        values = (ids, lps) if self.kind == "topk" else (vals,)
         host = (s_plen, s_plen, np.asarray(rows, np.int32))   # already in the student's layout
         if self.mesh is not None:
             host = tuple(sh.put(x, sh.replicated(self.mesh)) for x in host)
-            vals, invalid = (sh.put(x, sh.replicated(self.mesh)) for x in (vals, invalid))
-        full = settle(self._gather(2, B, T)((vals,), *host))
+            values = tuple(sh.put(x, sh.replicated(self.mesh)) for x in values)
+            invalid = sh.put(invalid, sh.replicated(self.mesh))
+        full = tuple(settle(self._gather(v.ndim, B, T)((v,), *host)) for v in values)
         self.invalid[key] = settle(self._gather(2, B, T)((invalid,), *host))
-        return rows, full, None
+        return rows, full if len(full) > 1 else full[0], None
 
     def _place(self, batch: dict) -> dict:
         return batch if self.mesh is None else sh.shard_batch(batch, self.mesh, self.rules)

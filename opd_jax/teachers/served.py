@@ -47,6 +47,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from opd_jax.teachers.cross_tokenizer import StringIds
+
 log = logging.getLogger(__name__)
 
 PROTOCOLS = ("vllm", "sglang", "openai")
@@ -176,23 +178,6 @@ def parse_openai(choice: dict, ids: Sequence[int], k: int, token_id: Callable[[s
             pairs = [(token_id(s), float(v)) for s, v in top[j].items()]
             out.set_top(j, [(t, v) for t, v in pairs if t is not None])
     return out
-
-
-class StringIds:
-    """Token string -> id for servers that send top-k tokens as strings: the decoding of
-    every id of the tokenizer; a string that several ids decode to (byte fallbacks, special
-    tokens) maps to None."""
-
-    def __init__(self, tokenizer):
-        self.decode = lambda i: tokenizer.decode([int(i)])
-        first: dict[str, int | None] = {}
-        for i in range(len(tokenizer)):
-            s = self.decode(i)
-            first[s] = None if s in first else i
-        self.ids = first
-
-    def __call__(self, s: str) -> int | None:
-        return self.ids.get(s)
 
 
 # -- the client --------------------------------------------------------------------------------

@@ -147,3 +147,59 @@ def test_map_response_carries_specials_and_masks_padding_rows():
     assert exact[n] and exact[-1] and not exact[n + 1]
     assert assign[len(words.encode("ab 12"))] == n and assign[-1] == len(resp) - 1
     assert (n + 1) not in set(assign.tolist())
+
+
+def test_topk_across_tokenizers_maps_the_shared_vocabulary():
+    from opd_jax.teachers.cross_tokenizer import map_topk, one_to_one, vocab_map
+    words = Words()
+    for w in ("ab", "a", "b", " ", "1"):
+        words.encode(w)
+    words.eos_token_id = len(words.vocab)
+    words.vocab["</s>"] = words.eos_token_id
+    words.__len__ = None
+    vmap = vocab_map(_Sized(words), TOK, len(words.vocab) + 2)
+    a, one, ab = words.vocab["a"], words.vocab["1"], words.vocab["ab"]
+    assert vmap[a] == TOK.convert_tokens_to_ids("a") and vmap[one] == TOK.encode("1")[0]
+    assert vmap[ab] == -1                           # "ab" is two student tokens: no student id
+    assert vmap[words.eos_token_id] == TOK.eos_token_id and vmap[-1] == -1
+    ids, lp = map_topk(np.array([ab, a, one]), np.log(np.array([0.5, 0.3, 0.1])), vmap)
+    assert ids.tolist() == [-1, vmap[a], vmap[one]] and np.isneginf(lp[0])
+    dup = vmap.copy()
+    dup[one] = dup[a]                               # two teacher ids, one student id: merged
+    ids, lp = map_topk(np.array([a, one]), np.log(np.array([0.3, 0.1])), dup)
+    assert ids.tolist() == [vmap[a], -1]
+    np.testing.assert_allclose(np.exp(lp[0]), 0.4, rtol=1e-6)
+    assign, exact = np.array([0, 1, 1]), np.array([True, False])
+    assert one_to_one(assign, exact).tolist() == [0, -1]
+
+
+class _Sized:
+    def __init__(self, words):
+        self.w, self.eos_token_id = words, words.eos_token_id
+
+    def __len__(self):
+        return len(self.w.vocab)
+
+    def decode(self, ids):
+        return self.w.decode(ids)
+
+
+def test_topk_with_equal_tokenizers_through_the_cross_path_is_the_plain_path(tmp_path):
+    import os
+    from opd_jax.config import load_config
+    from opd_jax.trainers.run_policy import train_policy
+    from tests.trainers.test_policy_smoke import ROOT, SMALL, _teacher
+    t = _teacher(tmp_path / "t", seed=4)
+    small = [o for o in SMALL if not o.startswith("--config.model.")]
+    over = small + ["--config.train.steps=1", f"--config.teachers.paths={{'general': '{t}'}}",
+                    "--config.model.init_from=builtin:base", "--config.tasks.difficulty=1",
+                    "--config.rollout.sampling.max_new_tokens=48"]
+    spec = os.path.join(ROOT, "opd_jax/configs/opd.py:topk_distill")
+    plain = train_policy(load_config(spec, over), str(tmp_path / "p"), progress=False)
+    cross = train_policy(load_config(spec, over + [
+        "--config.teachers.tokenizers={'general': 'synthetic'}"]), str(tmp_path / "c"),
+        progress=False)
+    h_p, h_c = plain["history"][0], cross["history"][0]
+    assert h_c["teachers/missing_frac"] == 0.0
+    for name in ("loss", "grad_norm", "teacher/general/kl", "teacher/general/topk_mass"):
+        np.testing.assert_allclose(h_c[name], h_p[name], rtol=1e-5, atol=1e-7, err_msg=name)
