@@ -28,6 +28,11 @@ SYNTHETIC_SPECIALS = (
     "<|think_on|>", "<|think_off|>")
 
 # A turn is <|role|>content<eos>; system text goes first, untagged, ending in "\n".
+# ChatML (SmolLM2's and Qwen's format), as `envs.chatml` renders it.
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SYNTHETIC_CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
@@ -74,8 +79,16 @@ def load_tokenizer(path) -> transformers.PreTrainedTokenizerBase:
 
 
 def build_tokenizer(spec: str) -> transformers.PreTrainedTokenizerBase:
-    """A run's tokenizer from its config value: "synthetic" or a local folder."""
-    return synthetic_tokenizer() if spec == "synthetic" else load_tokenizer(spec)
+    """A run's tokenizer from its config value: "synthetic", "synthetic_chatml" (the same
+    characters with a ChatML chat template: a char-level model on the ChatML chat families,
+    which it reads spelled out) or a local folder."""
+    if spec == "synthetic":
+        return synthetic_tokenizer()
+    if spec == "synthetic_chatml":
+        tok = synthetic_tokenizer()
+        tok.chat_template = CHATML_TEMPLATE
+        return tok
+    return load_tokenizer(spec)
 
 
 def bos_ids(tokenizer) -> list[int]:

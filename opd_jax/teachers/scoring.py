@@ -287,6 +287,14 @@ class TeacherScorer:
             exact, total = exact + int(ex.sum()), total + len(ex)
         self.cross_stats = {"exact": exact, "tokens": total}
         teacher = self.bank.get(key)
+        # A row longer than the teacher's context is cut there: the student tokens whose
+        # teacher tokens were cut get no value (masked).
+        room = teacher.config.max_position_embeddings
+        for r in range(len(rows)):
+            keep = max(room - len(t_prompts[r]), 0)
+            if len(t_resps[r]) > keep:
+                t_resps[r] = t_resps[r][:keep]
+                assigns[r] = assigns[r][:keep]
         graphdef, params, rest = nnx.split(teacher, nnx.Param, ...)
         tseq = build_sequences(t_prompts, t_resps, seq_len=bucket(
             max(len(p) + len(r) for p, r in zip(t_prompts, t_resps)) - 1, 16))

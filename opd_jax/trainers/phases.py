@@ -171,7 +171,9 @@ class Teachers:
             return TeacherScores([], {}), {}
         weights = [self.cell_weights[cell_of(e.task)] for e in episodes]
         for key, rows in self.scored_rows(episodes).items():
-            if key in self.configs:
+            # (a teacher with its own tokenizer: its rows are counted in its tokens, and
+            # its scorer masks what does not fit its context)
+            if key in self.configs and key not in self.scorer.tokenizers:
                 builders.check_positions(max(rows), self.configs[key],
                                          f"episodes scored by teacher {key!r}")
         scored = self.scorer(episodes, weights, seqs)

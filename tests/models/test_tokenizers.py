@@ -74,3 +74,15 @@ def test_check_tokenizer_fits(qwen):
 def test_load_tokenizer_refuses_non_folders(tmp_path):
     with pytest.raises(FileNotFoundError, match="is not a local folder"):
         load_tokenizer("Qwen/Qwen3-8B")
+
+
+def test_synthetic_chatml_is_the_char_vocabulary_with_the_chatml_template():
+    """A char-level model on the ChatML chat families: the same ids (one fingerprint, so the
+    shipped base is its checkpoint), a template that renders the families' prompts."""
+    from opd_jax.envs.chat import check_chat_template
+    from opd_jax.models import build_tokenizer, tokenizer_fingerprint
+    a, b = build_tokenizer("synthetic"), build_tokenizer("synthetic_chatml")
+    assert tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
+    check_chat_template(b, ["json_call", "word_arith"])
+    with pytest.raises(ValueError, match="renders ChatML prompts"):
+        check_chat_template(a, ["json_call"])

