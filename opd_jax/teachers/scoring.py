@@ -258,10 +258,17 @@ class TeacherScorer:
         responses = [episodes[b].response_ids for b in rows]
         tseq = build_sequences(prompts, responses)
         values, invalid = self._served_values(key, prompts, responses, tseq)
-        host = (np.asarray(tseq["prompt_len"], np.int32),
-                np.asarray(student_seqs["prompt_len"], np.int32)[rows],
-                np.asarray(rows, np.int32))
-        if self.mesh is not None:   # host values, replicated (every process asks the server)
+        return self._host_values(key, rows, values, invalid, B, T,
+                                 np.asarray(tseq["prompt_len"], np.int32),
+                                 np.asarray(student_seqs["prompt_len"], np.int32)[rows])
+
+    def _host_values(self, key, rows, values, invalid, B, T, t_plen, s_plen):
+        """Host-computed teacher values (a served or cross-tokenizer teacher: [R, Tt(, K)]
+        in a layout whose prompts are `t_plen` long) aligned to the student's B rows like
+        the in-process ones, and their `invalid` mask kept for `teacher_fields`; on a mesh
+        replicated (every process computes the same values)."""
+        host = (t_plen, s_plen, np.asarray(rows, np.int32))
+        if self.mesh is not None:
             host = tuple(sh.put(x, sh.replicated(self.mesh)) for x in host)
             values = tuple(sh.put(v, sh.replicated(self.mesh)) for v in values)
             invalid = sh.put(invalid, sh.replicated(self.mesh))
@@ -330,14 +337,8 @@ class TeacherScorer:
                 vals[r, P_s - 1:P_s - 1 + n] = np.where(miss, 0.0, v)
             invalid[r, P_s - 1:P_s - 1 + n] = miss
         values = (ids, lps) if self.kind == "topk" else (vals,)
-        host = (s_plen, s_plen, np.asarray(rows, np.int32))   # already in the student's layout
-        if self.mesh is not None:
-            host = tuple(sh.put(x, sh.replicated(self.mesh)) for x in host)
-            values = tuple(sh.put(x, sh.replicated(self.mesh)) for x in values)
-            invalid = sh.put(invalid, sh.replicated(self.mesh))
-        full = tuple(settle(self._gather(v.ndim, B, T)((v,), *host)) for v in values)
-        self.invalid[key] = settle(self._gather(2, B, T)((invalid,), *host))
-        return rows, full if len(full) > 1 else full[0], None
+        # already in the student's layout: its own prompt lengths on both sides
+        return self._host_values(key, rows, values, invalid, B, T, s_plen, s_plen)
 
     def _place(self, batch: dict) -> dict:
         return batch if self.mesh is None else sh.shard_batch(batch, self.mesh, self.rules)
