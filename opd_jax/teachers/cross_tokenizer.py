@@ -33,14 +33,17 @@ import numpy as np
 from opd_jax.models.tokenizers import tokenizer_fingerprint
 
 
-def char_spans(tokenizer, ids: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
+def char_spans(tokenizer, ids: Sequence[int], skip_special: bool = False
+               ) -> tuple[str, list[tuple[int, int]]]:
     """(decode(ids), the [start, end) character span of each id in it), from incremental
     decoding (a byte-level token that ends inside a multi-byte character gets an empty span
-    and the next token the whole character)."""
+    and the next token the whole character). `skip_special`: special tokens decode to
+    nothing (empty spans), as a server that echoes them as empty strings shows them."""
     spans, prev = [], 0
     text = ""
+    kw = {"skip_special_tokens": True} if skip_special else {}
     for k in range(1, len(ids) + 1):
-        text = tokenizer.decode(list(ids[:k]))
+        text = tokenizer.decode(list(ids[:k]), **kw)
         # a decoding that rewrites earlier text (merged bytes): keep spans monotone
         end = max(len(text), prev)
         spans.append((prev, end))

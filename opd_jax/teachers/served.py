@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from opd_jax.teachers.cross_tokenizer import StringIds
+from opd_jax.teachers.cross_tokenizer import StringIds, align_assign, char_spans, one_to_one
 
 log = logging.getLogger(__name__)
 
@@ -158,24 +158,62 @@ def parse_sglang(item: dict, ids: Sequence[int], k: int, server: str = "?") -> P
 
 
 def parse_openai(choice: dict, ids: Sequence[int], k: int, token_id: Callable[[str], int | None],
+                 text: str, spans: Sequence[tuple[int, int]], shift: int = 0,
                  server: str = "?") -> PositionScores:
     """An OpenAI-style legacy completion with `echo` and `logprobs` (llama.cpp, llama-cpp-
-    python): logprobs {tokens: [str], token_logprobs: [float | None], top_logprobs:
-    [None | {str: float}]}, the echoed prompt first. Top-k tokens come as strings:
-    `token_id(s)` maps one to its id (None when no single id decodes to it; dropped)."""
+    python) for the prompt `text` (our `ids` decoded; `spans` their character spans):
+    logprobs {tokens: [str], token_logprobs: [float | None], top_logprobs: [None |
+    {str: float}]}, the echoed prompt first (a server may leave out leading special tokens)
+    and then the generated token. The server tokenized the text itself: each of our tokens
+    takes the values of the one server token that is exactly it (same span), else NaN.
+    `shift` 1: the server's distribution at echo index u is the one that predicts token
+    u + 1 (llama-cpp-python 0.3 without a leading BOS), so token u's values are read from
+    index u - 1, its log-prob from that dictionary. Top-k tokens come as strings:
+    `token_id(s)` maps one to its id (None: dropped)."""
     lps = choice.get("logprobs") or {}
     toks, vals = lps.get("tokens"), lps.get("token_logprobs")
     _need(isinstance(toks, list) and isinstance(vals, list), server,
           "returned no echoed logprobs (request echo=true with logprobs)")
-    _need(len(vals) >= len(ids), server, f"returned {len(vals)} echoed log-probs for "
-          f"{len(ids)} prompt tokens")
     top = lps.get("top_logprobs") or [None] * len(vals)
+    joined = "".join(toks)
+    o = next((o for o in range(len(text)) if joined.startswith(text[o:])), None)
+    _need(o is not None and len(text) - o >= len(text) // 2, server,
+          f"echoed tokens {''.join(toks)[:60]!r}... are not the prompt sent "
+          f"({text[:60]!r}...): misaligned")
+    s_spans, c = [], o
+    for t in toks:
+        if c + len(t) > len(text) or (c == len(text) and s_spans):
+            break
+        s_spans.append((c, c + len(t)))
+        c += len(t)
+    assign, exact = align_assign(spans, s_spans)
+    u_of = one_to_one(assign, exact)
+    # Empty tokens (special tokens a server echoes as ""): paired in order where both sides
+    # have the same number of them at one character offset; others get no value.
+    ours, theirs = {}, {}
+    for j, (a, b) in enumerate(spans):
+        if a == b:
+            ours.setdefault(a, []).append(j)
+    for u, (a, b) in enumerate(s_spans):
+        if a == b:
+            theirs.setdefault(a, []).append(u)
+    for c, js in ours.items():
+        if len(theirs.get(c, [])) == len(js):
+            for j, u in zip(js, theirs[c]):
+                u_of[j] = u
     out = PositionScores.empty(len(ids), k)
     for j in range(1, len(ids)):
-        out.strings[j] = toks[j]
-        out.lp[j] = float("nan") if vals[j] is None else float(vals[j])
-        if k and top[j]:
-            pairs = [(token_id(s), float(v)) for s, v in top[j].items()]
+        u = int(u_of[j])
+        d = u - shift
+        if u < 0 or d < 0 or top[d] is None and (shift or vals[u] is None):
+            continue
+        out.strings[j] = toks[u]
+        if shift == 0 and vals[u] is not None:
+            out.lp[j] = float(vals[u])
+        elif top[d] is not None and toks[u] in top[d]:
+            out.lp[j] = float(top[d][toks[u]])
+        if k and top[d]:
+            pairs = [(token_id(s), float(v)) for s, v in top[d].items()]
             out.set_top(j, [(t, v) for t, v in pairs if t is not None])
     return out
 
@@ -203,6 +241,7 @@ class ServedTeacher:
         self._post = post or self._http_post
         self._strings = StringIds(tokenizer) if self.protocol == "openai" else None
         self.top_only = False          # set by probe(): the server's sampled log-probs are off
+        self.shifts: dict = {}         # openai: (first token, T) -> echo shift (`_shift`)
         self.stats = {"requests": 0, "retries": 0, "rows": 0, "missing": 0, "scored": 0}
 
     # HTTP ------------------------------------------------------------------------------
@@ -256,15 +295,60 @@ class ServedTeacher:
             _need(len(ans) == len(rows), self.url, f"{len(ans)} answers for {len(rows)} rows")
             return [parse_sglang(a, r, k, self.url) for a, r in zip(ans, rows)]
         out = []
-        for r in rows:               # one prompt per request (llama.cpp servers)
-            payload = {"prompt": r, "max_tokens": 1, "echo": True, "logprobs": max(k, 1),
-                       "temperature": temperature}
-            if self.model:
-                payload["model"] = self.model
-            ans = self.post("/v1/completions", payload)
-            choices = ans.get("choices") or [{}]
-            out.append(parse_openai(choices[0], r, k, self._strings, self.url))
+        for r in rows:       # one prompt per request, as text (llama-cpp-python takes no ids)
+            text, _ = char_spans(self.tokenizer, r)
+            # the server echoes special tokens as "" (or not at all): align on visible text
+            vis, spans = char_spans(self.tokenizer, r, skip_special=True)
+            shift = self._shift(r, text, vis, spans, k, temperature)
+            choice = self._complete(text, k, temperature, echo=True)
+            out.append(parse_openai(choice, r, k, self._strings, vis, spans, shift, self.url))
         return out
+
+    def _complete(self, text: str, k: int, temperature: float, echo: bool) -> dict:
+        payload = {"prompt": text, "max_tokens": 1, "echo": echo, "logprobs": max(k, 1),
+                   "temperature": temperature}
+        if self.model:
+            payload["model"] = self.model
+        return (self.post("/v1/completions", payload).get("choices") or [{}])[0]
+
+    def _shift(self, ids, text, vis, spans, k, temperature) -> int:
+        """Whether the server's echoed distributions sit at their token (0) or one index
+        early (1), found once per first token of a row (it depends on whether the prompt
+        opens with the model's BOS) from the server's own generation path: the top-k it
+        gives for the token after a prefix (no echo) is compared with the echoed
+        distribution at that token's index and at the index before."""
+        key = (int(ids[0]), float(temperature))
+        if key in self.shifts:
+            return self.shifts[key]
+        k = max(k, 5)
+        echo = self._complete(text, k, temperature, echo=True)
+        cand = {}
+        for shift in (0, 1):
+            cand[shift] = parse_openai(echo, ids, k, self._strings, vis, spans, shift, self.url)
+        # a position in the middle of the row that the server tokenized like us
+        js = [j for j in range(2, len(ids)) if not np.isnan(cand[0].lp[j])
+              and cand[0].top_ids[j, 0] >= 0 and cand[1].top_ids[j, 0] >= 0]
+        _need(bool(js), self.url, "echoed no log-probs this client can align to its tokens")
+        j = js[len(js) // 2]
+        prefix, _ = char_spans(self.tokenizer, ids[:j])      # the text before token j
+        gen = self._complete(prefix, k, temperature, echo=False)
+        g = (gen.get("logprobs") or {}).get("top_logprobs") or [None]
+        _need(isinstance(g[0], dict), self.url, "returned no log-probs for a generated token")
+        ref = {self._strings(s): v for s, v in g[0].items() if self._strings(s) is not None}
+
+        def dist(ps):
+            common = [(ref[t], v) for t, v in zip(ps.top_ids[j], ps.top_lp[j]) if t in ref]
+            return np.mean([abs(a - b) for a, b in common]) if common else np.inf
+        d0, d1 = dist(cand[0]), dist(cand[1])
+        _need(min(d0, d1) < 0.05, self.url, f"its echoed log-probs match its own next-token "
+              f"log-probs at neither their index nor the one before (mean |diff| {d0:.3g} / "
+              f"{d1:.3g} nats); cannot align them")
+        self.shifts[key] = int(d1 < d0)
+        if self.shifts[key]:
+            log.warning("teacher server %s: echoed log-probs sit one position early (rows "
+                        "opening with token %d); reading each token's values from the index "
+                        "before it", self.url, key[0])
+        return self.shifts[key]
 
     # checks ------------------------------------------------------------------------------
     def probe(self) -> dict:
@@ -296,6 +380,8 @@ class ServedTeacher:
                         "shifted echo log-probs); reading the top-k dictionaries only", self.url,
                         k, len(off), len(both), max(off))
         found = {"positions": len(ids) - 1, "inconsistent": len(off), "top_only": self.top_only}
+        if self.protocol == "openai":
+            found["shift"] = self.shifts[(ids[0], self.temperature)]
         if self.temperature != 1.0:
             (at1,) = self._request([ids], k, 1.0)
             a, b = got.lp[1:], at1.lp[1:]
@@ -319,7 +405,10 @@ class ServedTeacher:
         sampled log-prob of position j is its entry in the top-k (NaN when absent: masked and
         counted); `starts[r]` (the first response position) bounds the count to response
         tokens, and a share of missing ones above `max_missing` refuses the batch."""
-        k = self.top_k if not self.top_only else max(self.top_k, 20)
+        # (reading sampled log-probs from top-k dictionaries: a server found inconsistent,
+        # or an openai echo that may sit one index early, asks for at least 20)
+        k = self.top_k if not (self.top_only or self.protocol == "openai") \
+            else max(self.top_k, 20)
         out = []
         for i in range(0, len(rows), self.batch_rows):
             out += self._request(rows[i:i + self.batch_rows], k, self.temperature)
@@ -332,7 +421,7 @@ class ServedTeacher:
                                              else np.nan for j in range(1, len(ids))])
             missing += int(np.isnan(ps.lp[lo:]).sum())
             scored += len(ids) - lo
-            if self.top_k and self.top_only:
+            if k != self.top_k:
                 ps.top_ids, ps.top_lp = ps.top_ids[:, :self.top_k], ps.top_lp[:, :self.top_k]
         self.stats["rows"] += len(rows)
         self.stats["missing"] += missing

@@ -129,16 +129,30 @@ class FakeServer:
         return out
 
     def openai(self, body):
-        ids, k = body["prompt"], int(body["logprobs"])
-        lp = self.logprobs(ids, body.get("temperature", 1.0))
-        vals = [None] + [float(lp[j, ids[j]]) for j in range(1, len(ids))]
-        if self.bugs["shift"]:     # each token gets the next token's log-prob at its successor
-            vals = [None] + [float(lp[j + 1, ids[j]]) if j + 1 < len(ids) else -1.0
-                             for j in range(1, len(ids))]
-        top = [None] + [{self.string(t): float(lp[j, t]) for t in np.argsort(-lp[j])[:k]}
-                        for j in range(1, len(ids))]
-        logprobs = {"tokens": [self.string(i) for i in ids], "token_logprobs": vals,
-                    "top_logprobs": top, "text_offset": list(range(len(ids)))}
+        """llama-cpp-python's /v1/completions: a text prompt (or ids), `echo` and `logprobs`;
+        with `shift` the echoed distributions sit one index early, as that server's do when
+        the prompt does not open with the model's BOS (its generation path stays right)."""
+        prompt, k, t = body["prompt"], int(body["logprobs"]), body.get("temperature", 1.0)
+        ids = prompt if isinstance(prompt, list) else self.tok.encode(prompt)
+        lp = self.logprobs(list(ids), t)                 # row j: the dist of token j
+        logits = self.model(jax.numpy.asarray([ids], jax.numpy.int32))[0]
+        nxt = np.asarray(log_softmax(logits[-1], 1.0 if self.bugs["raw_temp"] else t),
+                         np.float64)
+        gen = int(np.argmax(nxt))
+        top_of = lambda d: {self.string(x): float(d[x]) for x in np.argsort(-d)[:k]}  # noqa
+        if not body.get("echo"):
+            logprobs = {"tokens": [self.string(gen)], "token_logprobs": [float(nxt[gen])],
+                        "top_logprobs": [top_of(nxt)], "text_offset": [0]}
+        else:
+            dists = [lp[j] for j in range(len(ids))] + [nxt]  # dists[j]: token j's
+            if self.bugs["shift"]:
+                dists = dists[1:] + [nxt]
+            seq = list(ids) + [gen]
+            vals = [None] + [float(dists[j][seq[j]]) for j in range(1, len(seq))]
+            top = [None] + [top_of(dists[j]) | {self.string(seq[j]): float(dists[j][seq[j]])}
+                            for j in range(1, len(seq))]
+            logprobs = {"tokens": [self.string(i) for i in seq], "token_logprobs": vals,
+                        "top_logprobs": top, "text_offset": list(range(len(seq)))}
         choice = {"index": 0, "text": "x",
                   "logprobs": None if self.bugs["no_logprobs"] else logprobs}
         return {"id": "cmpl-1", "object": "text_completion", "choices": [choice]}

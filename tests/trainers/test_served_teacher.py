@@ -66,9 +66,18 @@ def test_parsers_read_the_documented_formats():
     openai = {"logprobs": {"tokens": ["a", "b", "c"], "token_logprobs": [None, -1.5, -0.1],
                            "top_logprobs": [None, {"x": -0.2, "y": -1.1},
                                             {"c": -0.1, "z": -2.5}]}}
-    ps3 = parse_openai(openai, ids, 2, strings.get)
+    ps3 = parse_openai(openai, ids, 2, strings.get, "abc", [(0, 1), (1, 2), (2, 3)])
     np.testing.assert_array_equal(ps3.top_ids, ps.top_ids)
     np.testing.assert_allclose(ps3.top_lp, ps.top_lp)
+    np.testing.assert_allclose(ps3.lp, ps.lp, equal_nan=True)
+    # a server that leaves out the leading token: the rest still lines up
+    cut = {"logprobs": {k: v[1:] for k, v in openai["logprobs"].items()}}
+    ps4 = parse_openai(cut, ids, 2, strings.get, "abc", [(0, 1), (1, 2), (2, 3)])
+    np.testing.assert_allclose(ps4.lp[2], -0.1)
+    # shift 1: token j's values come from index j - 1
+    ps5 = parse_openai(openai, ids, 2, strings.get, "abc", [(0, 1), (1, 2), (2, 3)], shift=1)
+    assert np.isnan(ps5.lp[1]) and np.isnan(ps5.lp[2])     # 'c' is not in index 1's top-k
+    assert ps5.top_ids[2].tolist() == [4, 6]
     with pytest.raises(ServedTeacherError, match="http://v: returned no prompt_logprobs"):
         parse_vllm({"index": 0}, ids, 2, server="http://v")
     assert parse_spec("vllm+http://h:1/?model=Qwen/Qwen3-8B") == ("vllm", "http://h:1",
@@ -94,10 +103,10 @@ def test_served_logprobs_and_top_k_equal_the_model(teacher, protocol, temperatur
             np.testing.assert_allclose(ps.lp[1:], want, rtol=1e-5, atol=1e-6)
             top = np.argsort(-lp[:-1], axis=-1)[:, :4]
             if protocol == "openai":     # strings: ids no single string names are dropped
-                names = StringIds(TOK)
-                top = np.array([[t for t in row if names(TOK.decode([int(t)])) == t]
-                                + [-1] * sum(names(TOK.decode([int(t)])) != t for t in row)
-                                for row in top])
+                names = StringIds(TOK)   # (from the top 20 it asks for, the first 4 kept)
+                kept = [[t for t in row if names(TOK.decode([int(t)])) == t][:4]
+                        for row in np.argsort(-lp[:-1], axis=-1)[:, :20]]
+                top = np.array([row + [-1] * (4 - len(row)) for row in kept])
             np.testing.assert_array_equal(ps.top_ids[1:], top)
         # every request asked at the objective's temperature, never the server default
         asked = [b.get("temperature", b.get("sampling_params", {}).get("temperature"))
@@ -108,13 +117,14 @@ def test_served_logprobs_and_top_k_equal_the_model(teacher, protocol, temperatur
 
 
 def test_shifted_echo_logprobs_are_detected_and_the_top_k_used(teacher):
-    """llama-cpp-python's echo gives token j the log-prob it has at position j + 1: the
-    probe sees the sampled log-probs disagree with their own top-k entries, and the client
-    reads the top-k only (a token outside it: NaN, counted; too many: refused)."""
+    """llama-cpp-python's echo (prompts not opening with the model's BOS) puts at index j
+    the distribution of token j + 1: the client finds it from the server's own generation
+    path and reads token j's values at index j - 1, its log-prob from that top-k (a token
+    outside it: NaN, counted; too many: refused)."""
     _, model = teacher
     with FakeServer(model, TOK, shift=True) as srv:
         client = ServedTeacher(f"openai+{srv.url}", TOK, top_k=0, max_missing=1.0)
-        assert client.probe()["top_only"] and client.top_only
+        assert client.probe()["shift"] == 1
         rows = _rows()
         got = client.score(rows, starts=[1, 1, 1])
         for ids, ps in zip(rows, got):
