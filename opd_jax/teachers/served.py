@@ -19,11 +19,13 @@ sequence, before any rollout):
   naming the server.
 - **Another vocabulary**: where the server returns token strings, each probe id's string
   must be the student tokenizer's decoding of that id.
-- **Shifted log-probs** (llama-cpp-python 0.3's `echo` gives each token the log-prob of the
-  token after it): where the sampled token's log-prob disagrees with its own entry in the
-  top-k at the same position, the client reads the top-k dictionaries only; a sampled token
-  outside them is masked (`valid` 0) and counted, and a share above `max_missing` in a
-  request refuses the batch.
+- **Inconsistent log-probs** (vllm, sglang): where the sampled token's log-prob disagrees
+  with its own entry in the top-k at the same position, the client reads the top-k only.
+- **Shifted echo log-probs** (openai: llama-cpp-python 0.3 echoes a prompt that does not
+  open with the model's BOS one index early): found per first token of a row from the
+  server's own next-token log-probs (`ServedTeacher._shift`), then read from the index
+  before. Either way a sampled token outside the top-k is masked (`valid` 0) and counted,
+  and a share above `max_missing` in a request refuses the batch.
 - **Temperature**: the server is asked at the objective's temperature, never its default;
   when that is not 1, the probe asks at both and refuses a server whose log-probs do not
   change (vLLM's default `--logprobs-mode raw_logprobs` returns T = 1 log-probs whatever
