@@ -159,7 +159,7 @@ def test_tiny_presets_plans_unchanged():
         ("rl_coding_high", "rl_coding_max"), ("rl_coding_low", "rl_coding_high"),
         ("sft_general", None), ("rl_general_max", "sft_general"),
         ("rl_general_high", "rl_general_max"), ("rl_general_low", "rl_general_high"),
-        ("student", None), ("merge_0.5", None), ("merge_1", None), ("merge_1.5", None)]
+        ("merge_0.5", None), ("merge_1", None), ("merge_1.5", None), ("student", "merge_1")]
     d = recipe_module("deepseek_v4").build(_load("deepseek_v4", "reduced"), 0)
     assert [(s.name, s.init_from) for s in d] == [
         ("sft", None), ("sft_agent", "sft"), ("spec_agent", "sft_agent"), ("sft_code", "sft"),
