@@ -116,18 +116,26 @@ def test_the_probe_finds_the_shift_and_the_log_probs_match_ours(server, tok):
 
 
 def test_an_opd_step_with_the_served_teacher_runs(server, tmp_path):
-    from opd_jax.config import load_config
-    from opd_jax.trainers.run_policy import train_policy
+    """The user's command (`opd-jax opd`), SmolLM2-135M the student and the served SmolLM2
+    the teacher, in a process of one CPU device (the suite fakes 8, over which the real
+    model's state does not fit in memory)."""
+    import json
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cfg = load_config(os.path.join(root, "opd_jax/configs/opd.py:kimi_mopd"), [
-        "--config.model.init_from=builtin:smollm2", "--config.tokenizer=",
-        "--config.tasks.families={'agent': 'json_call'}", "--config.tasks.efforts=('chat',)",
-        "--config.teachers.routing=domain", f"--config.teachers.paths={{'agent': 'openai+{server}'}}",
-        "--config.teachers.served.max_missing=0.5", "--config.train.steps=1",
-        "--config.rollout.prompts_per_step=8", "--config.rollout.sampling.max_new_tokens=16",
-        "--config.rollout.sampling.max_turns=1", "--config.eval.every=0", "--config.eval.n=2",
-        "--config.eval.sampling.max_new_tokens=8", "--config.train.ckpt_every=1"])
-    h = train_policy(cfg, str(tmp_path / "run"), progress=False)["history"][0]
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, "-m", "opd_jax", "opd", "--config",
+           os.path.join(root, "opd_jax/configs/opd.py:kimi_mopd"),
+           "--config.model.init_from=builtin:smollm2", "--config.tokenizer=",
+           "--config.tasks.families={'agent': 'json_call'}", "--config.tasks.efforts=('chat',)",
+           "--config.teachers.routing=domain",
+           f"--config.teachers.paths={{'agent': 'openai+{server}'}}",
+           "--config.teachers.served.max_missing=0.5", "--config.train.steps=1",
+           "--config.rollout.prompts_per_step=2", "--config.rollout.sampling.max_new_tokens=16",
+           "--config.rollout.sampling.max_turns=1", "--config.eval.every=0", "--config.eval.n=2",
+           "--config.eval.sampling.max_new_tokens=8", "--config.train.ckpt_every=1",
+           "--workdir", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (h,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     print({k: v for k, v in h.items() if k.startswith(("teacher", "loss"))})
     assert np.isfinite(h["loss"]) and h["teacher/agent/tokens"] > 0
     assert 0.0 <= h["teachers/missing_frac"] <= 0.5
