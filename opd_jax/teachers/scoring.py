@@ -110,6 +110,7 @@ class TeacherScorer:
         # Teachers with their own tokenizer {key: tokenizer} (`cross_tokenizer`): the
         # sampled-token signal only.
         self.tokenizers = dict(tokenizers or {})
+        self.cross_stats = {"exact": 0, "tokens": 0}   # the last call's, over those teachers
         if self.tokenizers and kind == "hidden":
             raise ValueError(f"teachers {sorted(self.tokenizers)} have another tokenizer than "
                              f"the student: supported for the sampled-token and top-k "
@@ -212,6 +213,7 @@ class TeacherScorer:
                              f"{dict(self.mesh.shape)}: expected a multiple of its "
                              f"{self.shards} batch shards")
         out, self.invalid = {}, {}
+        self.cross_stats = {"exact": 0, "tokens": 0}
         # Teachers already in the cache first: with a cache smaller than the bank, a fixed
         # order would evict each teacher just before it is needed again (every access a miss).
         loaded = set(self.bank.loaded())
@@ -292,7 +294,8 @@ class TeacherScorer:
             assigns.append(assign)
             exacts.append(ex)
             exact, total = exact + int(ex.sum()), total + len(ex)
-        self.cross_stats = {"exact": exact, "tokens": total}
+        self.cross_stats = {"exact": self.cross_stats["exact"] + exact,
+                            "tokens": self.cross_stats["tokens"] + total}
         teacher = self.bank.get(key)
         # A row longer than the teacher's context is cut there: the student tokens whose
         # teacher tokens were cut get no value (masked).

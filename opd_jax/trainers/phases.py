@@ -187,6 +187,9 @@ class Teachers:
             scores.fields["teacher_valid"] = (invalid == 0).astype(np.int32)
             m = np.asarray(seqs["mask"]) > 0
             metrics["teachers/missing_frac"] = float((invalid > 0)[m].mean()) if m.any() else 0.0
+        cross = self.scorer.cross_stats
+        if cross["tokens"]:     # teachers with another tokenizer: the exactly scored share
+            metrics["teachers/cross_exact_frac"] = cross["exact"] / cross["tokens"]
         block(scores.fields)
         return scores, metrics
 

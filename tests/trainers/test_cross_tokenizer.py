@@ -104,13 +104,14 @@ def test_the_cross_tokenizer_path_with_equal_tokenizers_is_the_plain_path(tmp_pa
     plain = _opd(tmp_path, "plain", {"general/high": t}, extra=base)
     cross = _opd(tmp_path, "cross", {"general/high": t}, {"general/high": "synthetic"},
                  extra=base)
-    assert cross["teachers/missing_frac"] == 0.0
+    assert cross["teachers/missing_frac"] == 0.0 and cross["teachers/cross_exact_frac"] == 1.0
     for name in ("loss", "grad_norm", "teacher/general/high/log_ratio",
                  "teacher/general/high/tokens"):
         np.testing.assert_allclose(cross[name], plain[name], rtol=1e-5, atol=1e-7,
                                    err_msg=name)
 
 
+@pytest.mark.slow
 def test_a_teacher_with_the_qwen_tokenizer_scores_a_synthetic_student(tmp_path):
     """A teacher whose tokenizer is Qwen's BPE (151k ids) scores a char-level student: the
     student's text is re-tokenized for it, and its log-probs come back per student token
@@ -128,6 +129,7 @@ def test_a_teacher_with_the_qwen_tokenizer_scores_a_synthetic_student(tmp_path):
     assert h["teacher/general/high/tokens"] > 0
     assert np.isfinite(h["loss"]) and np.isfinite(h["teacher/general/high/log_ratio"])
     assert 0.0 <= h["teachers/missing_frac"] < 1.0
+    assert 0.0 < h["teachers/cross_exact_frac"] < 1.0    # a coarser teacher: not all exact
     with pytest.raises(ValueError, match="teacher vocab .* != student vocab 128"):
         _opd(tmp_path, "bad", {"general/high": str(tmp_path / "qt")})
 
@@ -184,6 +186,7 @@ class _Sized:
         return self.w.decode(ids)
 
 
+@pytest.mark.slow
 def test_topk_with_equal_tokenizers_through_the_cross_path_is_the_plain_path(tmp_path):
     import os
     from opd_jax.config import load_config

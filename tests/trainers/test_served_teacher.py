@@ -183,8 +183,8 @@ def test_string_ids_map_unique_decodings_only():
 
 
 # -- an OPD step with a served teacher ----------------------------------------------------------
-@pytest.mark.parametrize("objective, protocol", [("kimi_mopd", "vllm"),
-                                                 ("topk_distill", "sglang")])
+@pytest.mark.parametrize("objective, protocol", [
+    ("kimi_mopd", "vllm"), pytest.param("topk_distill", "sglang", marks=pytest.mark.slow)])
 def test_an_opd_step_with_a_served_teacher_equals_the_in_process_one(teacher, tmp_path,
                                                                      objective, protocol):
     path, model = teacher
