@@ -298,7 +298,7 @@ class ServedTeacher:
             return [parse_sglang(a, r, k, self.url) for a, r in zip(ans, rows)]
         out = []
         for r in rows:       # one prompt per request, as text (llama-cpp-python takes no ids)
-            text, _ = char_spans(self.tokenizer, r)
+            text = self.tokenizer.decode(list(r))
             # the server echoes special tokens as "" (or not at all): align on visible text
             vis, spans = char_spans(self.tokenizer, r, skip_special=True)
             shift = self._shift(r, text, vis, spans, k, temperature)
@@ -332,7 +332,7 @@ class ServedTeacher:
               and cand[0].top_ids[j, 0] >= 0 and cand[1].top_ids[j, 0] >= 0]
         _need(bool(js), self.url, "echoed no log-probs this client can align to its tokens")
         j = js[len(js) // 2]
-        prefix, _ = char_spans(self.tokenizer, ids[:j])      # the text before token j
+        prefix = self.tokenizer.decode(list(ids[:j]))         # the text before token j
         gen = self._complete(prefix, k, temperature, echo=False)
         g = (gen.get("logprobs") or {}).get("top_logprobs") or [None]
         _need(isinstance(g[0], dict), self.url, "returned no log-probs for a generated token")
@@ -418,9 +418,8 @@ class ServedTeacher:
         for r, (ids, ps) in enumerate(zip(rows, out)):
             lo = 1 if starts is None else max(1, int(starts[r]))
             if self.top_only:
-                ps.lp = np.array([np.nan] + [ps.top_entry(j, int(ids[j])) if
-                                             ps.top_entry(j, int(ids[j])) is not None
-                                             else np.nan for j in range(1, len(ids))])
+                found = [ps.top_entry(j, int(ids[j])) for j in range(1, len(ids))]
+                ps.lp = np.array([np.nan] + [np.nan if v is None else v for v in found])
             missing += int(np.isnan(ps.lp[lo:]).sum())
             scored += len(ids) - lo
             if k != self.top_k:
