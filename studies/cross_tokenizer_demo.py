@@ -37,15 +37,17 @@ from opd_jax.envs import CHAT_EFFORT
 
 STUDENT = "builtin:smollm2"
 TEACHER_START = "builtin:base"
-DOMAIN, FAMILY, DIFFICULTY = "agent", "json_call", 2
+DOMAIN, FAMILY, DIFFICULTY = "agent", "json_call", 1
 GAIN, K_SE = 0.15, 3.0          # the claim: student - start >= 0.15 beyond 3 se
 
 
 def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.teacher = base("sft.py:tasks", "--config.train.steps=300", "--config.train.ckpt_every=100",
-                     "--config.train.log_every=10", "--config.optim.lr=1e-3",
-                     "--config.optim.warmup_steps=10")
+    # 300 steps at lr 1e-3 learned the format but not to copy the request's values into
+    # the call (2/32 on difficulty 2): copying needs more steps
+    c.teacher = base("sft.py:tasks", "--config.train.steps=600", "--config.train.ckpt_every=100",
+                     "--config.train.log_every=10", "--config.optim.lr=2e-3",
+                     "--config.optim.warmup_steps=30")
     c.teacher.model.init_from = TEACHER_START
     c.teacher.tokenizer = "synthetic_chatml"     # the char vocabulary, ChatML spelled out
     c.teacher.data.tasks.families = {DOMAIN: FAMILY}
@@ -74,6 +76,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.eval = base("eval.py:grid").eval
     c.eval.update(dict(n=128, seed=0, batch_size=64, difficulty=DIFFICULTY))
     c.eval.sampling.update(dict(max_new_tokens=64, temperature=0.0, max_turns=1))
+    # the char-level teacher spends one token per character: a call is <= 65 of them
+    c.teacher_eval = ml_collections.ConfigDict(c.eval.to_dict())
+    c.teacher_eval.sampling.max_new_tokens = 96
     if arg == "smoke":
         c.teacher.train.update(dict(steps=2, ckpt_every=2, log_every=1))
         c.teacher.data.update(dict(batch_size=2))
@@ -82,8 +87,9 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         for sp in (c.student.rollout.sampling, c.student.eval.sampling):
             sp.max_new_tokens = 8
         c.student.eval.update(dict(every=0, n=2))
-        c.eval.update(dict(n=4))
-        c.eval.sampling.max_new_tokens = 8
+        for e in (c.eval, c.teacher_eval):
+            e.update(dict(n=4))
+            e.sampling.max_new_tokens = 8
     elif arg != "default":
         raise KeyError(f"presets are default, smoke; got {arg!r}")
     return c
@@ -100,15 +106,17 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict:
     cells = [(DOMAIN, FAMILY, CHAT_EFFORT.name)]
     cell = f"{DOMAIN}/{CHAT_EFFORT.name}"
     stok = build_tokenizer(resolve_tokenizer("", STUDENT))
-    ev = lambda name, tok, path=None: rp.evaluate_stage(   # noqa: E731
-        workdir, name, cells, c.eval, tokenizer=tok, difficulty=DIFFICULTY, path=path)[cell]
-    rows = {"teacher": ev("teacher", build_tokenizer("synthetic_chatml")),
+    ev = lambda name, tok, path=None, e=c.eval: rp.evaluate_stage(   # noqa: E731
+        workdir, name, cells, e, tokenizer=tok, difficulty=DIFFICULTY, path=path)[cell]
+    rows = {"teacher": ev("teacher", build_tokenizer("synthetic_chatml"), e=c.teacher_eval),
             "start": ev("start", stok, path=STUDENT), "student": ev("student", stok)}
     passes = {k: r["passes"] for k, r in rows.items()}
     gain = rp.paired(passes["student"], passes["start"])
     ok = gain["diff"] >= GAIN and gain["diff"] > K_SE * gain["se"]
     return {"cell": cell, "difficulty": DIFFICULTY,
-            "eval": rp.eval_meta(c.eval) | {"max_new_tokens": int(c.eval.sampling.max_new_tokens)},
+            "eval": rp.eval_meta(c.eval) | {
+                "max_new_tokens": int(c.eval.sampling.max_new_tokens),
+                "teacher_max_new_tokens": int(c.teacher_eval.sampling.max_new_tokens)},
             "passes": passes, "pass_rate": {k: float(sum(v) / len(v)) for k, v in passes.items()},
             "gain": gain, "records": records,
             "claim": {"claim": f"the student's held-out pass rate gains >= {GAIN} beyond "
@@ -131,7 +139,8 @@ def report_md(res: dict) -> str:
         f"Command `{res['command']}`; commit {res['commit']}; wall {res['wall_s']:.0f} s "
         f"(this invocation). Cell {res['cell']} (json_call, difficulty {res['difficulty']}), "
         f"{n} held-out problems (eval split, greedy, {res['eval']['max_new_tokens']} "
-        f"new tokens), the same problems for every model.", "",
+        f"new tokens; the char-level teacher {res['eval']['teacher_max_new_tokens']} "
+        f"characters), the same problems for every model.", "",
         rp.markdown_table(["model", "pass rate"], rows), "",
         f"Student - start: {g['diff']:+.3f} (se {g['se']:.3f}, paired over problems).", "",
         f"- **{verdict}** {res['claim']['claim']}", "",
