@@ -117,8 +117,14 @@ def word_arith_reward(task: Task, response: str) -> RewardResult:
 
 
 # -- json_call -----------------------------------------------------------------------------
+# Pools large enough that difficulty 2's eval split holds ~350 distinct calls (an evaluation
+# draws distinct problems: `trainers.evaluate.heldout_tasks`); difficulty 1 holds ~12.
 CITIES = ("Oslo", "Rome", "Lima", "Cairo", "Tokyo", "Dublin", "Madrid", "Seoul", "Quito",
-          "Nairobi", "Lisbon", "Prague", "Hanoi", "Austin", "Denver", "Zurich")
+          "Nairobi", "Lisbon", "Prague", "Hanoi", "Austin", "Denver", "Zurich", "Vienna",
+          "Berlin", "Paris", "Athens", "Warsaw", "Helsinki", "Bergen", "Porto", "Milan",
+          "Naples", "Geneva", "Munich", "Boston", "Chicago", "Dallas", "Miami", "Toronto",
+          "Montreal", "Sydney", "Perth", "Auckland", "Manila", "Jakarta", "Bangkok", "Delhi",
+          "Mumbai", "Dubai", "Doha", "Tunis", "Accra", "Dakar", "Bogota")
 TOOLS = {
     "book_flight": (("origin", "city"), ("destination", "city"), ("passengers", "count"),
                     ("date", "date"), ("cabin", ("economy", "business", "first"))),
@@ -129,7 +135,10 @@ TOOLS = {
     "send_email": (("to", "email"), ("subject", "name"), ("priority", ("low", "normal", "high")),
                    ("date", "date"), ("copies", "count")),
 }
-RESTAURANTS = ("Blue Fig", "Casa Luna", "Red Lantern", "The Oak", "Saffron", "Nori House")
+RESTAURANTS = ("Blue Fig", "Casa Luna", "Red Lantern", "The Oak", "Saffron", "Nori House",
+               "Olive Tree", "Green Door", "Salt Cellar", "Copper Pot", "Little Lamb",
+               "Golden Duck", "Sea Breeze", "Old Mill", "Fig and Vine", "Silver Fork",
+               "Pepper Mill", "Moon Garden")
 PHRASES = {"origin": "from {v}", "destination": "to {v}", "passengers": "for {v} passengers",
            "date": "on {v}", "cabin": "in {v} class", "city": "in {v}", "days": "for the next {v} days",
            "unit": "in {v}", "detail": "with {v} detail", "restaurant": "at {v}",
@@ -146,7 +155,7 @@ def _value(rng, kind, used_cities):
         used_cities.add(v)
         return v
     if kind == "count":
-        return rng.randint(1, 9)
+        return rng.randint(1, 20)
     if kind == "date":
         return f"2025-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
     if kind == "time":
@@ -207,7 +216,10 @@ def reference_demo(task: Task) -> str:
 WORD_ARITH = register_family(TaskFamily("word_arith", "general", gen_word_arith,
                                         word_arith_reward, demo=reference_demo, chat=chat_messages))
 JSON_CALL = register_family(TaskFamily("json_call", "agent", gen_json_call, json_call_reward,
-                                       demo=reference_demo, chat=chat_messages))
+                                       demo=reference_demo, chat=chat_messages,
+                                       # one problem = one call, whatever the order the
+                                       # request names its arguments in
+                                       canonical=lambda prompt, ref: ref["answer"]))
 
 
 def check_chat_template(tokenizer, families) -> None:

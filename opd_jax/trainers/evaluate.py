@@ -36,17 +36,44 @@ COLUMNS = ("cell", "domain", "effort", "family", "difficulty", "n", "reward", "p
 
 def heldout_tasks(families: Mapping[str, str], efforts: Sequence[str], *, n: int, seed: int,
                   difficulty: int = 1, split: str = "eval") -> list[envs.Task]:
-    """n tasks per (domain, effort) cell from the eval split (disjoint from training; or
-    ``split="train"``: a validation draw of training problems, for choices made on them)."""
+    """n distinct tasks per (domain, effort) cell from the eval split (disjoint from
+    training; or ``split="train"``: a validation draw of training problems, for choices made
+    on them).
+
+    Distinct: no two tasks of a cell are the same problem (the family's canonical form), so
+    a standard error over a cell's tasks counts problems; a draw that repeats a problem is
+    skipped. A cell whose split holds fewer than n problems (found within DISTINCT_DRAWS x n
+    draws) is refused, naming the family, difficulty and how many it found."""
     if n <= 0:
         raise ValueError(f"eval n={n}: expected a positive number of tasks per cell")
     out = []
     for domain, fam in families.items():
         envs.check_family_domain(fam, domain)
         for effort in efforts:
-            out += list(envs.TaskSource(fam, size=n, seed=seed, difficulty=difficulty,
-                                        effort=effort, split=split))
+            out += _distinct(envs.TaskSource(fam, size=DISTINCT_DRAWS * n, seed=seed,
+                                             difficulty=difficulty, effort=effort,
+                                             split=split), n)
     return out
+
+
+DISTINCT_DRAWS = 20     # draws allowed per distinct problem asked for, before refusing
+
+
+def _distinct(source, n: int) -> list[envs.Task]:
+    fam = envs.get_family(source.family)
+    seen: set[str] = set()
+    tasks = []
+    for task in source:
+        canon = fam.canonical_form(task.prompt, task.reference)
+        if canon not in seen:
+            seen.add(canon)
+            tasks.append(task)
+            if len(tasks) == n:
+                return tasks
+    raise ValueError(f"{source.family} at difficulty {source.difficulty}: only {len(tasks)} "
+                     f"distinct {source.split}-split problems in {len(source)} draws, fewer "
+                     f"than n={n}; expected a smaller n or a higher difficulty (a larger "
+                     f"problem space)")
 
 
 def evaluate_tasks(model, tokenizer, tasks: Sequence[envs.Task], sampling: SamplingConfig, *,

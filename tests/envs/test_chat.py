@@ -115,3 +115,17 @@ def test_tokenizer_comes_from_init_from_unless_named(tmp_path):
         resolve_tokenizer("", str(bare))
     synthetic_tokenizer().save_pretrained(str(bare))
     assert resolve_tokenizer("", str(bare)) == str(bare)
+
+
+def test_json_call_problem_is_the_call_whatever_the_request_order():
+    # Two requests naming the same arguments in another order are one problem: one split.
+    fam = envs.get_family("json_call")
+    seen: dict[str, set] = {}
+    for task in envs.TaskSource("json_call", size=400, seed=0, difficulty=3):
+        seen.setdefault(task.reference["answer"], set()).add(task.prompt)
+    reordered = [(call, prompts) for call, prompts in seen.items() if len(prompts) > 1]
+    assert reordered, "expected some call drawn with two request orders"
+    for call, prompts in reordered:
+        assert {fam.canonical_form(p, {"answer": call}) for p in prompts} == {call}
+        assert len({envs.data.split_of("json_call", p, {"answer": call})
+                    for p in prompts}) == 1

@@ -90,3 +90,19 @@ def test_eval_command(tmp_path, capsys):
                os.path.join(ROOT, "opd_jax/configs/eval.py:general")])
     assert rc == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_heldout_tasks_are_distinct_problems_or_refused():
+    # json_call's eval split at difficulty 2 holds a few hundred calls: 128 draws of it would
+    # repeat some; the held-out tasks are 128 distinct ones, every effort the same problems.
+    fam = envs.get_family("json_call")
+    tasks = heldout_tasks({"agent": "json_call"}, ("chat",), n=128, seed=0, difficulty=2)
+    canon = [fam.canonical_form(t.prompt, t.reference) for t in tasks]
+    assert len(tasks) == 128 and len(set(canon)) == 128
+    raw = [fam.canonical_form(t.prompt, t.reference) for t in envs.TaskSource(
+        "json_call", size=128, seed=0, difficulty=2, split="eval")]
+    assert len(set(raw)) < 128          # what a plain draw of 128 gives: repeats
+    # A cell whose eval split is smaller than n is refused with the numbers.
+    with pytest.raises(ValueError, match=r"json_call at difficulty 1: only \d+ distinct "
+                                         r"eval-split problems .* fewer than n=64"):
+        heldout_tasks({"agent": "json_call"}, ("chat",), n=64, seed=0, difficulty=1)
