@@ -66,6 +66,8 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
                       {"=objective": {"name": "deepseek_full_vocab", "options": {}},
                        "optim": {"lr": 3e-4, "schedule": "cosine"}, "train": {"steps": 60}}),
     "iters_60": ("the preset for 60 iterations", {"train": {"steps": 60}}),
+    "lr_5e-5_iters_60": ("the preset for 60 iterations at lr 5e-5 (the preset's summed lr in "
+                         "twice the steps)", {"optim": {"lr": 5e-5}, "train": {"steps": 60}}),
     # "@init": where the student starts ("merge": the seed's validation-tuned merge of the
     # teachers, which the student is then compared with; "start": the shared start).
     "from_merge": ("the preset started from the validation-tuned merge", {"@init": "merge"}),
