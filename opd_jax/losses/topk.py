@@ -75,30 +75,34 @@ def check_topk(teacher_ids_BxTxK, teacher_logp_BxTxK, b: int, t: int, v: int) ->
 def topk_buckets(student_logp_BxTxV: jax.Array, teacher_ids_BxTxK: jax.Array,
                  teacher_logp_BxTxK: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(log p [B, T, K+1], log q [B, T, K+1], floored [B, T]): student and teacher log-probs
-    of the K teacher ids and the tail bucket (last); with K = V the tail bucket is -inf on
-    both sides (empty). The teacher's tail is floored at TAIL_FLOOR (`floored` says where)."""
-    v, k = student_logp_BxTxV.shape[-1], teacher_ids_BxTxK.shape[-1]
-    used_BxTxK = teacher_ids_BxTxK >= 0                 # id < 0: an unused slot
+    of the K teacher ids and the tail bucket (last); where every token is kept (K = V, every
+    slot used) the tail bucket is -inf on both sides (empty). The teacher's tail is floored
+    at TAIL_FLOOR (`floored` says where). An id < 0 marks an unused slot; an id >= V (no
+    token of the student's) is treated as one: its mass stays in the tail."""
+    v = student_logp_BxTxV.shape[-1]
+    used_BxTxK = (teacher_ids_BxTxK >= 0) & (teacher_ids_BxTxK < v)
     ids_BxTxK = jnp.where(used_BxTxK, teacher_ids_BxTxK, 0)
     lp_BxTxK = jnp.take_along_axis(student_logp_BxTxV, ids_BxTxK, axis=-1, mode="clip")
     lp_BxTxK = jnp.where(used_BxTxK, lp_BxTxK, -jnp.inf)
     lq_BxTxK = jnp.where(used_BxTxK, teacher_logp_BxTxK.astype(lp_BxTxK.dtype), -jnp.inf)
-    if k == v:      # every token is kept: no tail bucket (so at K = V every slot is used)
-        none = jnp.full(lp_BxTxK.shape[:-1] + (1,), -jnp.inf, lp_BxTxK.dtype)
-        return (jnp.concatenate([lp_BxTxK, none], -1), jnp.concatenate([lq_BxTxK, none], -1),
-                jnp.zeros(lp_BxTxK.shape[:-1], bool))
-    # Student tail: logsumexp over the tokens outside the teacher's used ids (exact).
+    # Student tail: logsumexp over the tokens outside the teacher's used ids (exact); -inf
+    # where every token is kept (K = V with every slot used), computed on a finite stand-in
+    # there so its gradient stays finite.
     b, t = ids_BxTxK.shape[:2]
     count_BxTxV = jnp.zeros(student_logp_BxTxV.shape, jnp.int32).at[
         jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None], ids_BxTxK].add(
         used_BxTxK.astype(jnp.int32))
     kept_BxTxV = count_BxTxV > 0
-    lp_tail_BxT = jax.nn.logsumexp(jnp.where(kept_BxTxV, -jnp.inf, student_logp_BxTxV), -1)
-    # Teacher tail: 1 - sum_k q_k, floored.
+    has_tail_BxT = ~kept_BxTxV.all(-1)
+    tail_in_BxTxV = jnp.where(kept_BxTxV, -jnp.inf, student_logp_BxTxV)
+    lp_tail_BxT = jnp.where(has_tail_BxT, jax.nn.logsumexp(
+        jnp.where(has_tail_BxT[..., None], tail_in_BxTxV, 0.0), -1), -jnp.inf)
+    # Teacher tail: 1 - sum_k q_k, floored; empty where the student's is (no token is
+    # outside the kept ones, so the teacher's remainder there is rounding).
     lq_tail_BxT = _log1mexp(jax.nn.logsumexp(lq_BxTxK, -1))
     floor = jnp.log(jnp.asarray(TAIL_FLOOR, lq_tail_BxT.dtype))
-    floored_BxT = lq_tail_BxT < floor
-    lq_tail_BxT = jnp.maximum(lq_tail_BxT, floor)
+    floored_BxT = (lq_tail_BxT < floor) & has_tail_BxT
+    lq_tail_BxT = jnp.where(has_tail_BxT, jnp.maximum(lq_tail_BxT, floor), -jnp.inf)
     return (jnp.concatenate([lp_BxTxK, lp_tail_BxT[..., None]], -1),
             jnp.concatenate([lq_BxTxK, lq_tail_BxT[..., None]], -1), floored_BxT)
 

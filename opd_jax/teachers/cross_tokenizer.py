@@ -155,19 +155,55 @@ def map_response(student_tok, teacher_tok, response_ids: Sequence[int]
     return t_ids, np.asarray(assign, np.int64), exact
 
 
+def cut_response(t_ids: Sequence[int], assign: np.ndarray, keep: int
+                 ) -> tuple[list[int], np.ndarray]:
+    """A teacher response cut to its first `keep` tokens (the teacher's context ends
+    there): every student token with a teacher token cut loses all of its teacher tokens,
+    the one the cut splits included (its kept pieces alone would give it part of its
+    log-prob), so it gets no value (masked)."""
+    assign = np.asarray(assign, np.int64)
+    if len(t_ids) <= keep:
+        return list(t_ids), assign
+    cut = assign[keep:]
+    kept = assign[:keep].copy()
+    if (cut >= 0).any():
+        kept[kept >= cut[cut >= 0].min()] = -1
+    return list(t_ids[:keep]), kept
+
+
 def _teacher_special(teacher_tok, token: str) -> int | None:
     """The teacher's id of special token string `token`, or None when it has none."""
     vocab = teacher_tok.get_vocab() if hasattr(teacher_tok, "get_vocab") else {}
     return vocab.get(token)
 
 
-class StringIds:
-    """Token string -> id for servers that send top-k tokens as strings: the decoding of
-    every id of the tokenizer; a string that several ids decode to (byte fallbacks, special
-    tokens) maps to None."""
+class TokenString:
+    """The text of one token id as it reads inside a text: decoded after an anchor token and
+    the anchor's text removed. Decoding the id alone is not that for SentencePiece
+    tokenizers, whose decoders drop the leading space of a text's first token ("▁the"
+    alone decodes to "the", after "a" to " the"); byte-level BPE and character vocabularies
+    give the same either way."""
 
     def __init__(self, tokenizer):
-        self.decode = lambda i: tokenizer.decode([int(i)])
+        self.tokenizer = tokenizer
+        encode = getattr(tokenizer, "encode", None)        # (a decode-only tokenizer: none)
+        anchor = list(encode("a", add_special_tokens=False))[:1] if encode else []
+        self.anchor = anchor if anchor and tokenizer.decode(anchor) == "a" else []
+
+    def __call__(self, i: int) -> str:
+        if not self.anchor:
+            return self.tokenizer.decode([int(i)])
+        s = self.tokenizer.decode(self.anchor + [int(i)])
+        return s[1:] if s.startswith("a") else self.tokenizer.decode([int(i)])
+
+
+class StringIds:
+    """Token string -> id for servers that send top-k tokens as strings: the text of every
+    id of the tokenizer (`TokenString`); a string that several ids read as (byte fallbacks,
+    special tokens) maps to None."""
+
+    def __init__(self, tokenizer):
+        self.decode = TokenString(tokenizer)
         first: dict[str, int | None] = {}
         for i in range(len(tokenizer)):
             s = self.decode(i)
@@ -186,10 +222,10 @@ def vocab_map(teacher_tok, student_tok, teacher_vocab: int) -> np.ndarray:
     with one fingerprint share every id (the identity)."""
     if _same_tokenizer(teacher_tok, student_tok):
         return np.arange(int(teacher_vocab), dtype=np.int64)
-    names = StringIds(student_tok)
+    names, text = StringIds(student_tok), TokenString(teacher_tok)
     out = np.full(int(teacher_vocab), -1, np.int64)
     for tid in range(min(len(teacher_tok), int(teacher_vocab))):
-        sid = names(teacher_tok.decode([tid]))
+        sid = names(text(tid))
         if sid is not None:
             out[tid] = sid
     eos_t = getattr(teacher_tok, "eos_token_id", None)

@@ -33,8 +33,8 @@ from opd_jax.distributed import settle
 from opd_jax.episodes import align_to_student, build_sequences, prompt_ids
 from opd_jax.shapes import bucket
 from opd_jax.teachers.bank import TeacherBank
-from opd_jax.teachers.cross_tokenizer import (gather_values, map_response, map_topk,
-                                              one_to_one, vocab_map)
+from opd_jax.teachers.cross_tokenizer import (cut_response, gather_values, map_response,
+                                              map_topk, one_to_one, vocab_map)
 from opd_jax.teachers.routing import confidence_weights
 from opd_jax.teachers.served import ServedTeacher
 
@@ -104,11 +104,11 @@ class TeacherScorer:
                              f"hidden-state signal; got kind {kind!r}")
         self.entropy = bool(entropy)
         # Served teachers (`bank.is_served`): their client options (`teachers.served`), the
-        # clients once probed, and per call the [B, T] mask of sampled tokens they left
-        # without a log-prob (`invalid`: 1 there; teacher_fields -> teacher_valid).
+        # clients once probed, and per call the [B, T] mask of response tokens they left
+        # without what the signal reads (`invalid`: 1 there; teacher_fields -> teacher_valid).
         self.served_opts, self._served, self.invalid = dict(served or {}), {}, {}
         # Teachers with their own tokenizer {key: tokenizer} (`cross_tokenizer`): the
-        # sampled-token signal only.
+        # sampled-token and top-k signals (not hidden states).
         self.tokenizers = dict(tokenizers or {})
         self.cross_stats = {"exact": 0, "tokens": 0}   # the last call's, over those teachers
         if self.tokenizers and kind == "hidden":
@@ -186,15 +186,17 @@ class TeacherScorer:
         ids, tlp = np.full((R, Tt, K), -1, np.int32), np.full((R, Tt, K), -np.inf, np.float32)
         for r, (ps, p, resp) in enumerate(zip(scores, prompts, responses)):
             n = len(p) + len(resp) - 1            # targets i <-> positions i + 1
-            vals = ps.lp[1:n + 1]
-            miss = np.isnan(vals)
-            lp[r, :n] = np.where(miss, 0.0, vals)
-            invalid[r, len(p) - 1:n] = miss[len(p) - 1:n]
             if self.kind == "topk":
+                # the loss reads the top-k entries only: a response target is missing when
+                # it has none (a sampled token outside them, whose own log-prob a top-only
+                # server leaves NaN, is still scored by the distribution)
                 ids[r, :n], tlp[r, :n] = ps.top_ids[1:n + 1, :K], ps.top_lp[1:n + 1, :K]
-                # a response target with no top-k entry at all is masked too
-                invalid[r, len(p) - 1:n] = np.maximum(
-                    invalid[r, len(p) - 1:n], (ids[r, len(p) - 1:n] < 0).all(-1))
+                invalid[r, len(p) - 1:n] = (ids[r, len(p) - 1:n] < 0).all(-1)
+            else:
+                vals = ps.lp[1:n + 1]
+                miss = np.isnan(vals)
+                lp[r, :n] = np.where(miss, 0.0, vals)
+                invalid[r, len(p) - 1:n] = miss[len(p) - 1:n]
         return ((ids, tlp) if self.kind == "topk" else (lp,)), invalid
 
     def _chunk(self, n_rows: int) -> int:
@@ -297,30 +299,37 @@ class TeacherScorer:
         self.cross_stats = {"exact": self.cross_stats["exact"] + exact,
                             "tokens": self.cross_stats["tokens"] + total}
         teacher = self.bank.get(key)
-        # A row longer than the teacher's context is cut there: the student tokens whose
-        # teacher tokens were cut get no value (masked).
+        # A row longer than the teacher's context is cut there (`cut_response`).
         room = teacher.config.max_position_embeddings
         for r in range(len(rows)):
             keep = max(room - len(t_prompts[r]), 0)
-            if len(t_resps[r]) > keep:
-                t_resps[r] = t_resps[r][:keep]
-                assigns[r] = assigns[r][:keep]
+            t_resps[r], assigns[r] = cut_response(t_resps[r], assigns[r], keep)
         graphdef, params, rest = nnx.split(teacher, nnx.Param, ...)
-        tseq = build_sequences(t_prompts, t_resps, seq_len=bucket(
-            max(len(p) + len(r) for p, r in zip(t_prompts, t_resps)) - 1, 16))
+        # as the plain path: `chunk_rows` rows per forward, padded to the batch shards
+        chunk = self._chunk(len(rows))
+        pad = -len(rows) % chunk
+        tseq = build_sequences(t_prompts + t_prompts[:1] * pad, t_resps + t_resps[:1] * pad,
+                               seq_len=bucket(max(len(p) + len(r) for p, r
+                                                  in zip(t_prompts, t_resps)) - 1, 16))
         fn = self._fn(graphdef, params, rest)
-        out = fn(params, rest, self._place({k: tseq[k] for k in MODEL_INPUTS}))
+        inputs = {k: tseq[k] for k in MODEL_INPUTS}
+        parts = [fn(params, rest, self._place(jax.tree.map(lambda x: x[i:i + chunk], inputs)))
+                 for i in range(0, len(rows) + pad, chunk)]
+        parts = [p if isinstance(p, tuple) else (p,) for p in parts]
+        out = tuple(np.concatenate([to_host(p[j]) for p in parts])[:len(rows)]
+                    for j in range(len(parts[0])))
+        out = out if len(out) > 1 else out[0]
         s_plen = np.asarray(student_seqs["prompt_len"], np.int32)[rows]
         invalid = np.zeros((len(rows), T), np.float32)
         if self.kind == "topk":
             if key not in self._vmaps:
                 self._vmaps[key] = vocab_map(ttok, self.tokenizer, teacher.config.vocab_size)
-            vmap, (tid, tlp) = self._vmaps[key], (np.asarray(x) for x in out)
+            vmap, (tid, tlp) = self._vmaps[key], out
             K = tid.shape[-1]
             ids = np.full((len(rows), T, K), -1, np.int32)
             lps = np.full((len(rows), T, K), -np.inf, np.float32)
         else:
-            lp_t = np.asarray(out)
+            lp_t = out
             vals = np.zeros((len(rows), T), np.float32)
         for r, b in enumerate(rows):
             P_t, P_s, n = len(t_prompts[r]), int(s_plen[r]), len(episodes[b].response_ids)
@@ -345,6 +354,14 @@ class TeacherScorer:
 
     def _place(self, batch: dict) -> dict:
         return batch if self.mesh is None else sh.shard_batch(batch, self.mesh, self.rules)
+
+
+def to_host(x) -> np.ndarray:
+    """A (possibly batch-sharded, multi-process) array's whole value on this host."""
+    if jax.process_count() > 1 and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 @dataclasses.dataclass

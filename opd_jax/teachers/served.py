@@ -37,6 +37,7 @@ answer fails at once with the server's message.
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import logging
 import math
@@ -49,7 +50,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from opd_jax.teachers.cross_tokenizer import StringIds, align_assign, char_spans, one_to_one
+from opd_jax.teachers.cross_tokenizer import (StringIds, TokenString, align_assign, char_spans,
+                                              one_to_one)
 
 log = logging.getLogger(__name__)
 
@@ -182,10 +184,14 @@ def parse_openai(choice: dict, ids: Sequence[int], k: int, token_id: Callable[[s
     _need(o is not None and len(text) - o >= len(text) // 2, server,
           f"echoed tokens {''.join(toks)[:60]!r}... are not the prompt sent "
           f"({text[:60]!r}...): misaligned")
+    # The echo ends where the text does, except for as many empty tokens there as ours has
+    # (trailing specials a server echoes as ""); what follows is the generated token.
+    tail = sum(1 for a, b in spans if a == b == len(text))
     s_spans, c = [], o
     for t in toks:
-        if c + len(t) > len(text) or (c == len(text) and s_spans):
+        if c + len(t) > len(text) or (c == len(text) and s_spans and (t or tail == 0)):
             break
+        tail -= c == len(text) and bool(s_spans)
         s_spans.append((c, c + len(t)))
         c += len(t)
     assign, exact = align_assign(spans, s_spans)
@@ -254,7 +260,8 @@ class ServedTeacher:
             return json.loads(r.read().decode())
 
     def post(self, path: str, payload: dict):
-        """POST with a timeout and bounded retries (connection errors, timeouts, 5xx)."""
+        """POST with a timeout and bounded retries (connection errors, timeouts, 5xx and 429,
+        a cut or unparsable answer)."""
         err = None
         for attempt in range(self.retries + 1):
             self.stats["requests"] += 1
@@ -262,11 +269,12 @@ class ServedTeacher:
                 return self._post(path, payload, self.timeout_s)
             except urllib.error.HTTPError as e:
                 body = e.read().decode(errors="replace")[:300] if hasattr(e, "read") else ""
-                if e.code < 500:
+                if e.code < 500 and e.code != 429:           # 429: too many requests
                     raise ServedTeacherError(f"teacher server {self.url}{path} answered HTTP "
                                              f"{e.code}: {body}") from None
                 err = f"HTTP {e.code}: {body}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError,
+                    http.client.HTTPException, json.JSONDecodeError) as e:
                 err = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
             if attempt < self.retries:
                 self.stats["retries"] += 1
@@ -360,14 +368,14 @@ class ServedTeacher:
             raise ValueError(f"probe text encodes to {len(ids)} tokens; expected >= 4")
         k = max(self.top_k, 5)
         (got,) = self._request([ids], k, self.temperature)
+        text = self._strings.decode if self._strings else TokenString(self.tokenizer)
         mismatched = [(j, ids[j], got.strings[j]) for j in range(1, len(ids))
-                      if got.strings[j] is not None
-                      and got.strings[j] != self.tokenizer.decode([ids[j]])]
+                      if got.strings[j] is not None and got.strings[j] != text(ids[j])]
         if mismatched:
             j, tid, s = mismatched[0]
             raise ServedTeacherError(
                 f"teacher server {self.url} uses a different vocabulary: token {tid} at "
-                f"probe position {j} is {self.tokenizer.decode([tid])!r} here and {s!r} "
+                f"probe position {j} is {text(tid)!r} here and {s!r} "
                 f"there ({len(mismatched)} of {len(ids) - 1} positions differ)")
         pairs = [(got.lp[j], got.top_entry(j, ids[j])) for j in range(1, len(ids))]
         both = [(a, b) for a, b in pairs if b is not None and not math.isnan(a)]
@@ -375,6 +383,12 @@ class ServedTeacher:
         if any(math.isnan(a) for a, _ in pairs) and not both:
             raise ServedTeacherError(f"teacher server {self.url} returned no log-probs for "
                                      f"the probe's tokens")
+        with_top = sum(bool((got.top_ids[j] >= 0).any()) for j in range(1, len(ids)))
+        if self.top_k > 0 and with_top * 2 < len(ids) - 1:
+            raise ServedTeacherError(
+                f"teacher server {self.url} returned top-k log-probs at {with_top} of "
+                f"{len(ids) - 1} probe positions (asked for {k} per position): a top-k "
+                f"signal needs them (does the server honour the request's top-k field?)")
         self.top_only = bool(off) and len(off) * 2 >= len(both)
         if self.top_only:
             log.warning("teacher server %s: the sampled tokens' log-probs disagree with their "
@@ -405,8 +419,10 @@ class ServedTeacher:
               ) -> list[PositionScores]:
         """Every row's PositionScores, `batch_rows` rows per request. In top-only mode the
         sampled log-prob of position j is its entry in the top-k (NaN when absent: masked and
-        counted); `starts[r]` (the first response position) bounds the count to response
-        tokens, and a share of missing ones above `max_missing` refuses the batch."""
+        counted). Missing: a position without what the signal reads (its top-k entries for
+        a top-k signal, else the sampled token's log-prob); `starts[r]` (the first response
+        position) bounds the count to response tokens, and a share of missing ones above
+        `max_missing` refuses the batch."""
         # (reading sampled log-probs from top-k dictionaries: a server found inconsistent,
         # or an openai echo that may sit one index early, asks for at least 20)
         k = self.top_k if not (self.top_only or self.protocol == "openai") \
@@ -420,16 +436,22 @@ class ServedTeacher:
             if self.top_only:
                 found = [ps.top_entry(j, int(ids[j])) for j in range(1, len(ids))]
                 ps.lp = np.array([np.nan] + [np.nan if v is None else v for v in found])
-            missing += int(np.isnan(ps.lp[lo:]).sum())
-            scored += len(ids) - lo
             if k != self.top_k:
                 ps.top_ids, ps.top_lp = ps.top_ids[:, :self.top_k], ps.top_lp[:, :self.top_k]
+            # what the signal reads is missing: the top-k entries (a top-k signal) or the
+            # sampled token's log-prob
+            missing += int((~(ps.top_ids[lo:] >= 0).any(-1)).sum() if self.top_k > 0
+                           else np.isnan(ps.lp[lo:]).sum())
+            scored += len(ids) - lo
         self.stats["rows"] += len(rows)
         self.stats["missing"] += missing
         self.stats["scored"] += scored
         if scored and missing / scored > self.max_missing:
+            what, fix = (("top-k entries", "the server left them out") if self.top_k > 0 else
+                         ("sampled-token log-prob", "the server's top-k does not hold them "
+                          "(raise top_k, or fix the server)"))
             raise ServedTeacherError(
-                f"teacher server {self.url}: {missing} of {scored} sampled tokens have no "
-                f"log-prob ({missing / scored:.1%} > max_missing {self.max_missing:.0%}); the "
-                f"server's top-k does not hold them (raise top_k, or fix the server)")
+                f"teacher server {self.url}: {missing} of {scored} response tokens have no "
+                f"{what} ({missing / scored:.1%} > max_missing {self.max_missing:.0%}); "
+                f"{fix}")
         return out

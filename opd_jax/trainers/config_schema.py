@@ -147,7 +147,7 @@ SECTIONS["teachers"] = dict(
                                  hint="weighting='confidence': w ~ prior exp(-H / tau)"),
     served=Sub("teachers.served"),
     tokenizers=Map(hint="key -> tokenizer spec of a teacher with another tokenizer than the "
-                   "student's (sampled-token signal; docs/teachers.md)"),
+                   "student's (sampled-token and top-k signals; docs/teachers.md)"),
 )
 # Teachers behind a server (a teachers.paths value "vllm+http://...", docs/teachers.md).
 SECTIONS["teachers.served"] = dict(

@@ -27,7 +27,7 @@ from opd_jax.episodes import SamplingConfig, build_sequences, play
 from opd_jax.models import build_tokenizer
 from opd_jax.teachers import (TeacherBank, TeacherScorer, TeacherScores, check_routing,
                               in_row_chunks, teacher_fields)
-from opd_jax.teachers.scoring import MODEL_INPUTS, zeros_like
+from opd_jax.teachers.scoring import MODEL_INPUTS, to_host, zeros_like
 from opd_jax.trainers import builders
 from opd_jax.trainers.judge import JudgeReward, mix_judge
 from opd_jax.trainers.needs import PolicyBatch
@@ -181,9 +181,9 @@ class Teachers:
                                 absent=self._absent(scored), confidence=self.confidence)
         metrics = {"teachers_loaded": float(len(self.bank.loaded()))}
         if self.scorer.invalid:
-            # Sampled tokens a served teacher gave no log-prob for (read from its top-k
-            # only): masked out of the loss (`teacher_valid` multiplies the batch mask).
-            invalid = sum(np.asarray(v) for v in self.scorer.invalid.values())
+            # Response tokens a served or cross-tokenizer teacher gave no value for: masked
+            # out of the loss (`teacher_valid` multiplies the batch mask).
+            invalid = sum(to_host(v) for v in self.scorer.invalid.values())
             scores.fields["teacher_valid"] = (invalid == 0).astype(np.int32)
             m = np.asarray(seqs["mask"]) > 0
             metrics["teachers/missing_frac"] = float((invalid > 0)[m].mean()) if m.any() else 0.0

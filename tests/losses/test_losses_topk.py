@@ -165,3 +165,29 @@ def test_unused_slots_hold_no_mass_and_leave_it_in_the_tail(direction):
     none = jnp.full((B, T, 2), -1, jnp.int32)
     np.testing.assert_allclose(float(topk_kl_loss(s, none, jnp.zeros((B, T, 2)), m,
                                                   direction=direction)[0]), 0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_k_equal_to_vocab_with_unused_slots_keeps_the_tail(direction):
+    """K = V with some slots unused (a cross-tokenizer or served answer) is the loss over the
+    used slots plus the tail, as at K < V, not a distribution missing the unused mass; an id
+    >= V (no student token) counts as unused. Gradients stay finite."""
+    s, t, m = inputs(7)
+    ids, lq = teacher_topk(t, 3)
+    f = lambda x: topk_kl_loss(x, ids, lq, m, direction=direction)[0]          # noqa: E731
+    for fill in (-1, V, V + 5):
+        pad_ids = jnp.concatenate([ids, jnp.full((B, T, V - 3), fill, jnp.int32)], -1)
+        pad_lq = jnp.concatenate([lq, jnp.full((B, T, V - 3), -3.0)], -1)
+        g = lambda x: topk_kl_loss(x, pad_ids, pad_lq, m, direction=direction)[0]  # noqa: E731
+        np.testing.assert_allclose(g(s), f(s), rtol=1e-5)
+        grad = jax.grad(g)(s)
+        assert np.isfinite(np.asarray(grad)).all()
+        np.testing.assert_allclose(grad, jax.grad(f)(s), rtol=1e-4, atol=1e-6)
+    # the reviewer's case: V = 4, a uniform student, ids (0, 1, 2, unused), q = (.7, .2, .05)
+    s4 = jnp.zeros((1, 1, 4))
+    q = np.log(np.array([0.7, 0.2, 0.05, 1.0]))
+    got = float(topk_kl_loss(s4, jnp.array([[[0, 1, 2, -1]]]), jnp.asarray(q[None, None]),
+                             jnp.ones((1, 1)), direction=direction)[0])
+    p_b, q_b = np.array([.25, .25, .25, .25]), np.array([.7, .2, .05, .05])
+    a, c = (p_b, q_b) if direction == "reverse" else (q_b, p_b)
+    np.testing.assert_allclose(got, float((a * np.log(a / c)).sum()), rtol=1e-5)

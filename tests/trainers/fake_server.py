@@ -26,6 +26,7 @@ class FakeServer:
     def __init__(self, model, tokenizer, **bugs):
         self.model, self.tok = model, tokenizer
         self.bugs = dict(shift=False, raw_temp=False, no_logprobs=False, other_vocab=False,
+                         no_top=False,
                          fail_first=0, delay_s=0.0) | bugs
         self.requests: list[tuple[str, dict]] = []
         server = self
@@ -120,8 +121,10 @@ class FakeServer:
             tok = [[None, int(ids[0]), self.string(ids[0])]] + [
                 [float(lp[j, ids[j]]), int(ids[j]), self.string(ids[j])]
                 for j in range(1, len(ids))]
+            # no_top: a server that ignores top_logprobs_num (sampled tokens only)
             top = [None] + [[[float(lp[j, t]), int(t), self.string(t)]
-                             for t in np.argsort(-lp[j])[:k]] for j in range(1, len(ids))]
+                             for t in np.argsort(-lp[j])[:0 if self.bugs["no_top"] else k]]
+                            for j in range(1, len(ids))]
             meta = {"prompt_tokens": len(ids), "completion_tokens": 1}
             if not self.bugs["no_logprobs"]:
                 meta |= {"input_token_logprobs": tok, "input_top_logprobs": top}

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from opd_jax.models import synthetic_tokenizer
-from opd_jax.teachers.cross_tokenizer import (align_logprobs, char_spans, map_response,
-                                              retokenize)
+from opd_jax.teachers.cross_tokenizer import (align_assign, align_logprobs, char_spans,
+                                              cut_response, gather_values, map_response,
+                                              one_to_one, retokenize)
 
 TOK = synthetic_tokenizer()
 
@@ -206,3 +207,53 @@ def test_topk_with_equal_tokenizers_through_the_cross_path_is_the_plain_path(tmp
     assert h_c["teachers/missing_frac"] == 0.0
     for name in ("loss", "grad_norm", "teacher/general/kl", "teacher/general/topk_mass"):
         np.testing.assert_allclose(h_c[name], h_p[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_a_cut_through_a_student_token_masks_it_whole():
+    """The teacher's context ends inside a student token: that token and every later one get
+    no value (not the log-prob of the kept characters alone), earlier ones keep theirs."""
+    # student tokens hello, " ", world, " ", 42; a char-level teacher: one token per char
+    s_ids = Words().encode("hello world 42")
+    spans = char_spans(TOK, TOK.encode("hello world 42", add_special_tokens=False))[1]
+    words_spans = [(0, 5), (5, 6), (6, 11), (11, 12), (12, 14)]
+    assign, exact = align_assign(words_spans, spans)
+    t_ids = list(range(len(spans)))
+    assert list(assign) == [0] * 5 + [1] + [2] * 5 + [3] + [4] * 2 and exact.all()
+    lp = -np.arange(1, len(t_ids) + 1, dtype=float)
+    for keep, valid in ((8, [True, True, False, False, False]),    # cut inside "world"
+                        (6, [True, True, False, False, False]),    # just before it
+                        (12, [True] * 4 + [False]),                 # inside "42"
+                        (14, [True] * 5), (40, [True] * 5)):        # nothing cut
+        kept_ids, kept = cut_response(t_ids, assign, keep)
+        assert kept_ids == t_ids[:keep] and len(kept) == min(keep, len(t_ids))
+        v = gather_values(kept, lp[:len(kept)], len(s_ids))
+        assert list(np.isfinite(v)) == valid, keep
+        np.testing.assert_allclose(v[:2], [lp[:5].sum(), lp[5]])
+        # the top-k signal's one-to-one positions: " " (a single char) while it is kept
+        assert list(one_to_one(kept, exact) >= 0) == [False, valid[1], False, valid[3], False]
+
+
+def test_token_strings_keep_the_sentencepiece_space():
+    """A SentencePiece-style decoder drops a text's leading space, so "▁the" decoded alone
+    reads "the", the same as "the": a token's string is read inside a text instead, so the
+    two stay apart (served top-k strings, the shared vocabulary)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from opd_jax.teachers.cross_tokenizer import StringIds, TokenString, vocab_map
+    vocab = {"<unk>": 0, "▁the": 1, "the": 2, "▁a": 3, "a": 4, "▁cat": 5}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    sp = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>")
+    assert sp.decode([1]) == sp.decode([2]) == "the"         # what decoding alone gives
+    text = TokenString(sp)
+    assert [text(i) for i in (1, 2, 3, 4, 5)] == [" the", "the", " a", "a", " cat"]
+    ids = StringIds(sp)
+    assert (ids(" the"), ids("the"), ids(" cat")) == (1, 2, 5)
+    # byte-level and character vocabularies read the same either way
+    assert all(TokenString(TOK)(i) == TOK.decode([i]) for i in range(len(TOK)))
+    # another SentencePiece vocabulary (other ids): " the" maps to " the", "the" to "the"
+    tk2 = Tokenizer(models.WordLevel({"<unk>": 0, "▁cat": 1, "▁the": 2, "a": 3, "▁a": 4,
+                                      "the": 5}, unk_token="<unk>"))
+    tk2.pre_tokenizer, tk2.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    sp2 = PreTrainedTokenizerFast(tokenizer_object=tk2, unk_token="<unk>")
+    assert vocab_map(sp, sp2, 6)[1:].tolist() == [2, 5, 4, 3, 1]

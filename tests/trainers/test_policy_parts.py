@@ -184,3 +184,42 @@ def test_teacher_scorer_scores_routed_rows_in_chunks(tmp_path, kind):
             assert not got[others].any()                  # rows it does not score: zeros
     with pytest.raises(ValueError, match="scoring chunk of 4 rows for a batch of 6"):
         in_row_chunks(lambda x: x, {"x": np.zeros((6, 2))}, 4)
+
+
+@pytest.mark.parametrize("kind", ["logp", "topk"])
+def test_cross_tokenizer_scoring_in_chunks_equals_the_plain_scorer(tmp_path, kind):
+    """The cross-tokenizer path (here with the student's own tokenizer) scores its rows in
+    `chunk_rows` chunks padded like the plain path's: the values equal the plain scorer's,
+    whole or chunked (4 routed rows in chunks of 3)."""
+    import dataclasses
+
+    from opd_jax.models import synthetic_tokenizer
+    from opd_jax.episodes import Episode, encode
+    from opd_jax.teachers import TeacherScorer as _TeacherScorer
+    cfg = dataclasses.replace(CFG, vocab_size=128)
+    paths = {k: _write_teacher(tmp_path / k, cfg, seed=i) for i, k in enumerate("ab")}
+    tok = synthetic_tokenizer()
+    rng = np.random.default_rng(1)
+    tasks = list(envs.TaskSource("arithmetic", size=6, seed=0))
+    bos = [tok.bos_token_id]
+    eps = [Episode(t, bos + encode(tok, envs.render_prompt(t)),
+                   response_ids=[int(x) for x in rng.integers(20, 90, size=n)])
+           for t, n in zip(tasks, [3, 5, 2, 4, 6, 1])]
+    seqs = build_sequences([e.prompt_ids for e in eps], [e.response_ids for e in eps])
+    weights = [{"b": 1.0} if b % 3 == 0 else {"a": 1.0} for b in range(6)]
+    kw = dict(top_k=5) if kind == "topk" else {}
+    plain = _TeacherScorer(TeacherBank(paths), tok, kind, **kw)(eps, weights, seqs)
+    m = seqs["mask"].astype(bool)
+    for chunk in (0, 3):
+        scorer = _TeacherScorer(TeacherBank(paths), tok, kind, chunk_rows=chunk,
+                                tokenizers={"a": tok, "b": tok}, **kw)
+        cross = scorer(eps, weights, seqs)
+        for key in "ab":
+            rows = cross[key][0]
+            assert rows == plain[key][0]
+            assert not np.asarray(scorer.invalid[key])[m].any()
+            got, want = cross[key][1], plain[key][1]
+            got, want = (got, want) if kind == "topk" else ((got,), (want,))
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(np.asarray(g)[rows][m[rows]],
+                                           np.asarray(w)[rows][m[rows]], atol=1e-5)

@@ -78,6 +78,15 @@ def test_parsers_read_the_documented_formats():
     ps5 = parse_openai(openai, ids, 2, strings.get, "abc", [(0, 1), (1, 2), (2, 3)], shift=1)
     assert np.isnan(ps5.lp[1]) and np.isnan(ps5.lp[2])     # 'c' is not in index 1's top-k
     assert ps5.top_ids[2].tolist() == [4, 6]
+    # a trailing special echoed as "" (ours: an empty span at the end) is scored; the
+    # generated token after it ("" too here) is not read as the prompt's
+    tail = {"logprobs": {"tokens": ["a", "b", "", ""], "token_logprobs": [None, -1.5, -0.3, -9.0],
+                         "top_logprobs": [None, {"x": -0.2}, {"z": -0.3}, {"x": -9.0}]}}
+    ps6 = parse_openai(tail, [5, 9, 2], 2, strings.get, "ab", [(0, 1), (1, 2), (2, 2)])
+    np.testing.assert_allclose(ps6.lp[1:], [-1.5, -0.3])
+    assert ps6.top_ids[2].tolist() == [2, -1]
+    ps7 = parse_openai(tail, [5, 9], 2, strings.get, "ab", [(0, 1), (1, 2)])
+    np.testing.assert_allclose(ps7.lp[1:], [-1.5])              # no trailing special: stop
     with pytest.raises(ServedTeacherError, match="http://v: returned no prompt_logprobs"):
         parse_vllm({"index": 0}, ids, 2, server="http://v")
     assert parse_spec("vllm+http://h:1/?model=Qwen/Qwen3-8B") == ("vllm", "http://h:1",
@@ -137,8 +146,16 @@ def test_shifted_echo_logprobs_are_detected_and_the_top_k_used(teacher):
         assert client.stats["missing"] == sum(int(np.isnan(p.lp[1:]).sum()) for p in got) > 0
         strict = ServedTeacher(f"openai+{srv.url}", TOK, max_missing=0.0)
         strict.probe()
-        with pytest.raises(ServedTeacherError, match="have no log-prob .* > max_missing 0%"):
+        with pytest.raises(ServedTeacherError, match="have no sampled-token log-prob .* > max_missing 0%"):
             strict.score(rows)
+        # A top-k signal reads the top-k entries only: a sampled token outside them (its own
+        # log-prob NaN here) is not missing; only a position with no entries is (each row's
+        # first token, whose distribution the shifted echo does not hold).
+        topk = ServedTeacher(f"openai+{srv.url}", TOK, top_k=5, max_missing=0.5)
+        topk.probe()
+        got = topk.score(rows, starts=[1, 1, 1])
+        no_top = sum(int((~(p.top_ids[1:] >= 0).any(-1)).sum()) for p in got)
+        assert topk.stats["missing"] == no_top == len(rows) < client.stats["missing"]
 
 
 def test_bad_servers_are_refused_at_start_naming_them(teacher):
@@ -158,6 +175,11 @@ def test_bad_servers_are_refused_at_start_naming_them(teacher):
                                                      "at probe position 0|uses a different "
                                                      "vocabulary"):
             ServedTeacher(f"sglang+{srv.url}", TOK).probe()
+    with FakeServer(model, TOK, no_top=True) as srv:     # sampled tokens only, no top-k
+        ServedTeacher(f"sglang+{srv.url}", TOK).probe()  # fine for a sampled-token signal
+        with pytest.raises(ServedTeacherError, match=f"{srv.url} returned top-k log-probs at 0 "
+                                                     f"of \\d+ probe positions"):
+            ServedTeacher(f"sglang+{srv.url}", TOK, top_k=4).probe()
     with socket.socket() as s:                 # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -217,3 +239,28 @@ def test_a_served_teacher_with_the_hidden_state_signal_is_refused():
         bank.get("general")
     with pytest.raises(ValueError, match="expected <protocol>\\+http"):
         TeacherBank({"general": "vllm+ftp://x"})
+
+
+def test_retries_cover_rate_limits_and_cut_answers_but_not_client_errors():
+    import io
+    import json as _json
+    import urllib.error
+    answers = []
+
+    def post(path, payload, timeout):
+        e = answers.pop(0)
+        if isinstance(e, Exception):
+            raise e
+        return e
+
+    def http(code):
+        return urllib.error.HTTPError("http://h:1/x", code, "msg", {}, io.BytesIO(b"busy"))
+    client = ServedTeacher("vllm+http://h:1", TOK, retries=3, post=post)
+    answers[:] = [http(429), _json.JSONDecodeError("cut", "{", 1), {"ok": 1}]
+    assert client.post("/x", {}) == {"ok": 1} and client.stats["retries"] == 2
+    answers[:] = [http(404)]
+    with pytest.raises(ServedTeacherError, match="http://h:1/x answered HTTP 404: busy"):
+        client.post("/x", {})
+    answers[:] = [http(429)] * 4
+    with pytest.raises(ServedTeacherError, match="no answer after 4 tries \\(HTTP 429"):
+        client.post("/x", {})
