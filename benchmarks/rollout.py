@@ -81,13 +81,17 @@ def bench_ours(path, prompts, new, repeats, temperature=1.0):
                                    stop_token_ids=[32_000]), 1)
     n_compiles = len(compiles)
     steady = time_best(lambda: run(seed=2), repeats)
-    # What one decode step must read: every weight, except that an untied embedding table
-    # is only gathered (B rows), not read whole.
+    return steady, first - steady, n_compiles, weight_read_bytes(model, len(prompts))
+
+
+def weight_read_bytes(model, batch):
+    """What one decode step of `batch` rows must read of the weights: every nnx.Param,
+    except that an untied embedding table is only gathered (B rows), not read whole."""
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     if not model.config.tie_embeddings:
         embed = model.embed[...]
-        weight_bytes -= embed.nbytes - len(prompts) * embed.shape[1] * embed.dtype.itemsize
-    return steady, first - steady, n_compiles, weight_bytes
+        weight_bytes -= embed.nbytes - batch * embed.shape[1] * embed.dtype.itemsize
+    return weight_bytes
 
 
 def bench_hf(model, prompts, new, repeats, temperature=1.0):

@@ -46,7 +46,8 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rollout import bench_hf, memory_bandwidth_gbs, time_best  # benchmarks/rollout.py
+from rollout import (bench_hf, memory_bandwidth_gbs, time_best,  # benchmarks/rollout.py
+                     weight_read_bytes)
 
 _COMPILES: list[str] = []
 
@@ -70,10 +71,7 @@ def decode_bytes(model, batch, mean_len):
     untied embedding only gathered, B rows; a tied one whole, it is the LM head), and the
     keys and values of every layer over `mean_len` positions."""
     cfg = model.config
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    if not cfg.tie_embeddings:
-        embed = model.embed[...]
-        weight_bytes -= embed.nbytes - batch * embed.shape[1] * embed.dtype.itemsize
+    weight_bytes = weight_read_bytes(model, batch)
     itemsize = jnp.dtype(cfg.dtype).itemsize
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * batch * mean_len
     return weight_bytes, kv_bytes
