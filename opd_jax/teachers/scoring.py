@@ -23,6 +23,7 @@ import dataclasses
 import functools
 
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -359,7 +360,6 @@ class TeacherScorer:
 def to_host(x) -> np.ndarray:
     """A (possibly batch-sharded, multi-process) array's whole value on this host."""
     if jax.process_count() > 1 and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
 
