@@ -113,12 +113,18 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> dict:
     passes = {k: r["passes"] for k, r in rows.items()}
     gain = rp.paired(passes["student"], passes["start"])
     ok = gain["diff"] >= GAIN and gain["diff"] > K_SE * gain["se"]
+    # the teacher must hold what the student is to gain: else a FAIL says nothing about
+    # the cross-tokenizer path
+    head = rp.paired(passes["teacher"], passes["start"])
+    pre = head["diff"] >= GAIN and head["diff"] > K_SE * head["se"]
     return {"cell": cell, "difficulty": DIFFICULTY,
             "eval": rp.eval_meta(c.eval) | {
                 "max_new_tokens": int(c.eval.sampling.max_new_tokens),
                 "teacher_max_new_tokens": int(c.teacher_eval.sampling.max_new_tokens)},
             "passes": passes, "pass_rate": {k: float(sum(v) / len(v)) for k, v in passes.items()},
-            "gain": gain, "records": records,
+            "gain": gain, "teacher_gain": head, "records": records,
+            "precondition": {"claim": f"the teacher beats the untouched student by >= {GAIN} "
+                                      f"beyond {K_SE:g} se", "pass": bool(pre)},
             "claim": {"claim": f"the student's held-out pass rate gains >= {GAIN} beyond "
                                f"{K_SE:g} se over the untouched student",
                       "pass": bool(ok)},
@@ -134,6 +140,9 @@ def report_md(res: dict) -> str:
     cost = [[k, f"{r['wall_s']:.0f}", f"{r.get('optimizer_steps', 0)}"]
             for k, r in res["records"].items()]
     verdict = "PASS" if res["claim"]["pass"] else "FAIL"
+    pre, h = res["precondition"], res["teacher_gain"]
+    pre_line = (f"- **{'PASS' if pre['pass'] else 'PRECONDITION FAIL'}** {pre['claim']}: "
+                f"{h['diff']:+.3f} (se {h['se']:.3f})")
     return "\n".join([
         "# A char-level specialist distilled into SmolLM2-135M (another tokenizer)", "",
         f"Command `{res['command']}`; commit {res['commit']}; wall {res['wall_s']:.0f} s "
@@ -143,7 +152,7 @@ def report_md(res: dict) -> str:
         f"characters), the same problems for every model.", "",
         rp.markdown_table(["model", "pass rate"], rows), "",
         f"Student - start: {g['diff']:+.3f} (se {g['se']:.3f}, paired over problems).", "",
-        f"- **{verdict}** {res['claim']['claim']}", "",
+        pre_line, f"- **{verdict}** {res['claim']['claim']}", "",
         rp.markdown_table(["stage", "wall s", "optimizer steps"], cost), ""])
 
 
