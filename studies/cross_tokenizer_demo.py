@@ -90,8 +90,12 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
         for e in (c.eval, c.teacher_eval):
             e.update(dict(n=4))
             e.sampling.max_new_tokens = 8
+    elif arg == "lr_5e-5":
+        # the student at a quarter of the lr (the default run's collapsed into repeated
+        # braces with the sharp teacher; experiments/cross_tokenizer/README.md)
+        c.student.optim.lr = 5e-5
     elif arg != "default":
-        raise KeyError(f"presets are default, smoke; got {arg!r}")
+        raise KeyError(f"presets are default, smoke, lr_5e-5; got {arg!r}")
     return c
 
 

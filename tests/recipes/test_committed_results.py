@@ -49,3 +49,20 @@ def test_student_sweep_md_is_regenerated_from_results_json(where):
     n = results["eval"]["n"]
     for s in results["per_seed"]:
         assert all(len(v) == n for m in s["models"].values() for v in m.values())
+
+
+def test_cross_tokenizer_demo_md_is_regenerated_from_results_json():
+    from studies import cross_tokenizer_demo as demo
+    folder = os.path.join(ROOT, "experiments", "cross_tokenizer")
+    with open(os.path.join(folder, "results.json"), encoding="utf-8") as f:
+        res = json.load(f)
+    with open(os.path.join(folder, "results.md"), encoding="utf-8") as f:
+        assert demo.report_md(res) == f.read()
+    assert res["commit"] != "unknown" and res["wall_s"] > 0
+    # the claims are the study's function of the passes alone
+    n = len(res["passes"]["start"])
+    assert n == len(res["passes"]["student"]) == len(res["passes"]["teacher"]) == 128
+    g = res["gain"]
+    assert g["diff"] == pytest.approx(sum(res["passes"]["student"]) / n
+                                      - sum(res["passes"]["start"]) / n)
+    assert res["claim"]["pass"] == (g["diff"] >= demo.GAIN and g["diff"] > demo.K_SE * g["se"])
