@@ -78,7 +78,7 @@ def get_config(arg: str = "default") -> ml_collections.ConfigDict:
     c.eval.sampling.update(dict(max_new_tokens=64, temperature=0.0, max_turns=1))
     # the char-level teacher spends one token per character: a call is <= 91 of them
     c.teacher_eval = ml_collections.ConfigDict(c.eval.to_dict())
-    c.teacher_eval.sampling.max_new_tokens = 128
+    c.teacher_eval.sampling.max_new_tokens = 110     # + a <= 401-char prompt: its 512 positions
     if arg == "smoke":
         c.teacher.train.update(dict(steps=2, ckpt_every=2, log_every=1))
         c.teacher.data.update(dict(batch_size=2))
