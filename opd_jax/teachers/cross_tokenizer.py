@@ -55,8 +55,31 @@ def retokenize(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """The teacher's ids for `text` (no special tokens added) and their character spans."""
     ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)] \
         if _takes_special(tokenizer) else [int(i) for i in tokenizer.encode(text)]
-    _, spans = char_spans(tokenizer, ids)
+    decoded, spans = char_spans(tokenizer, ids)
+    if decoded != text:         # lossy: characters the teacher has no token for (<unk>)
+        spans = _spans_in(text, [decoded[a:b] for a, b in spans])
     return ids, spans
+
+
+def _spans_in(text: str, pieces: Sequence[str]) -> list[tuple[int, int]]:
+    """Spans in `text` of tokens whose decoded `pieces` do not spell it (a tokenizer that
+    encodes what it lacks as <unk>): a piece that reads the text at its place covers it; one
+    that does not (the <unk>) covers the text up to where the next piece reads it, at least
+    one character. So an unknown character is the teacher's <unk> token, scored as such (a
+    teacher gives it little probability), not text that shifts every later span."""
+    spans, pos = [], 0
+    for k, piece in enumerate(pieces):
+        if piece and text.startswith(piece, pos):
+            end = pos + len(piece)
+        elif pos >= len(text):
+            end = pos
+        else:
+            nxt = next((q for q in pieces[k + 1:] if q), None)
+            found = text.find(nxt, pos + 1) if nxt else -1
+            end = found if found > pos else (len(text) if nxt is None else pos + 1)
+        spans.append((pos, end))
+        pos = end
+    return spans
 
 
 def _takes_special(tokenizer) -> bool:

@@ -257,3 +257,21 @@ def test_token_strings_keep_the_sentencepiece_space():
     tk2.pre_tokenizer, tk2.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
     sp2 = PreTrainedTokenizerFast(tokenizer_object=tk2, unk_token="<unk>")
     assert vocab_map(sp, sp2, 6)[1:].tolist() == [2, 5, 4, 3, 1]
+
+
+def test_characters_the_teacher_lacks_are_its_unk_token_in_place():
+    """A character the teacher's vocabulary lacks (the char-level teacher encodes "\\x0b" as
+    <unk>, which decodes to five characters) is its <unk> token at that character: later
+    spans stay in place, so the student token holding it takes the teacher's log-prob of
+    <unk> and every later token its own (before, the spans shifted and every later student
+    token went unscored: the demo's student learned to write \\x0b, which cost nothing)."""
+    from opd_jax.models import build_tokenizer
+    t = build_tokenizer("synthetic_chatml")
+    ids, spans = retokenize(t, "a\x0bbc\x0b\x0b")
+    assert ids[1] == ids[4] == ids[5] == t.unk_token_id
+    assert spans == [(i, i + 1) for i in range(6)]
+    words = [(0, 1), (1, 2), (2, 4), (4, 6)]              # a, \x0b, bc, \x0b\x0b
+    assign, exact = align_assign(words, spans)
+    assert assign.tolist() == [0, 1, 2, 2, 3, 3] and exact.all()
+    assert retokenize(t, "abc") == (t.encode("abc", add_special_tokens=False),
+                                    [(0, 1), (1, 2), (2, 3)])
