@@ -51,9 +51,10 @@ def test_student_sweep_md_is_regenerated_from_results_json(where):
         assert all(len(v) == n for m in s["models"].values() for v in m.values())
 
 
-def test_cross_tokenizer_demo_md_is_regenerated_from_results_json():
+@pytest.mark.parametrize("where", ["", "before_unk_fix"])
+def test_cross_tokenizer_demo_md_is_regenerated_from_results_json(where):
     from studies import cross_tokenizer_demo as demo
-    folder = os.path.join(ROOT, "experiments", "cross_tokenizer")
+    folder = os.path.join(ROOT, "experiments", "cross_tokenizer", where)
     with open(os.path.join(folder, "results.json"), encoding="utf-8") as f:
         res = json.load(f)
     with open(os.path.join(folder, "results.md"), encoding="utf-8") as f:
