@@ -53,8 +53,7 @@ def char_spans(tokenizer, ids: Sequence[int], skip_special: bool = False
 
 def retokenize(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     """The teacher's ids for `text` (no special tokens added) and their character spans."""
-    ids = [int(i) for i in tokenizer.encode(text, add_special_tokens=False)] \
-        if _takes_special(tokenizer) else [int(i) for i in tokenizer.encode(text)]
+    ids = _encode(tokenizer, text)
     decoded, spans = char_spans(tokenizer, ids)
     if decoded != text:         # lossy: characters the teacher has no token for (<unk>)
         spans = _spans_in(text, [decoded[a:b] for a, b in spans])
@@ -80,6 +79,13 @@ def _spans_in(text: str, pieces: Sequence[str]) -> list[tuple[int, int]]:
         spans.append((pos, end))
         pos = end
     return spans
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """`text`'s ids, no special tokens added (where the tokenizer takes that option)."""
+    ids = tokenizer.encode(text, add_special_tokens=False) if _takes_special(tokenizer) \
+        else tokenizer.encode(text)
+    return [int(i) for i in ids]
 
 
 def _takes_special(tokenizer) -> bool:
@@ -209,8 +215,8 @@ class TokenString:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        encode = getattr(tokenizer, "encode", None)        # (a decode-only tokenizer: none)
-        anchor = list(encode("a", add_special_tokens=False))[:1] if encode else []
+        # (a decode-only tokenizer has no anchor: each id decoded alone)
+        anchor = _encode(tokenizer, "a")[:1] if hasattr(tokenizer, "encode") else []
         self.anchor = anchor if anchor and tokenizer.decode(anchor) == "a" else []
 
     def __call__(self, i: int) -> str:
