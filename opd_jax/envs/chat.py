@@ -117,8 +117,8 @@ def word_arith_reward(task: Task, response: str) -> RewardResult:
 
 
 # -- json_call -----------------------------------------------------------------------------
-# Pools large enough that difficulty 2's eval split holds ~350 distinct calls (an evaluation
-# draws distinct problems: `trainers.evaluate.heldout_tasks`); difficulty 1 holds ~12.
+# Pools large enough that difficulty 2's eval split holds ~364 distinct calls (an evaluation
+# draws distinct problems: `trainers.evaluate.heldout_tasks`); difficulty 1 holds ~13.
 CITIES = ("Oslo", "Rome", "Lima", "Cairo", "Tokyo", "Dublin", "Madrid", "Seoul", "Quito",
           "Nairobi", "Lisbon", "Prague", "Hanoi", "Austin", "Denver", "Zurich", "Vienna",
           "Berlin", "Paris", "Athens", "Warsaw", "Helsinki", "Bergen", "Porto", "Milan",
