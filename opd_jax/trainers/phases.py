@@ -141,6 +141,12 @@ class Teachers:
         self.configs = self.bank.validate(setup.model_config.vocab_size, setup.tokenizer,
                                           tokenizer_spec, own_tokenizers=own)
         # served teachers: checked by their probe
+        for key in own:     # a teacher with its own tokenizer: top-k within ITS vocabulary
+            if scoring.get("top_k", 0) > self.configs[key].vocab_size:
+                raise ValueError(f"objective option top_k={scoring['top_k']}: expected at "
+                                 f"most teacher {key!r}'s vocabulary size "
+                                 f"{self.configs[key].vocab_size} (its own tokenizer, "
+                                 f"teachers.tokenizers)")
         for key, tc in self.configs.items():    # the student's own check, for each teacher
             if max_new_tokens is not None and max_new_tokens >= tc.max_position_embeddings:
                 raise ValueError(f"rollout.sampling.max_new_tokens={max_new_tokens}: expected "

@@ -275,3 +275,21 @@ def test_characters_the_teacher_lacks_are_its_unk_token_in_place():
     assert assign.tolist() == [0, 1, 2, 2, 3, 3] and exact.all()
     assert retokenize(t, "abc") == (t.encode("abc", add_special_tokens=False),
                                     [(0, 1), (1, 2), (2, 3)])
+
+
+def test_a_topk_larger_than_a_cross_teachers_vocabulary_is_refused_before_work(tmp_path):
+    """top_k is checked against each cross-tokenizer teacher's own vocabulary (not only the
+    student's) before any rollout: student vocab 256, teacher vocab 128, top_k 200."""
+    import os
+    from opd_jax.config import load_config
+    from opd_jax.trainers.run_policy import train_policy
+    from tests.trainers.test_policy_smoke import ROOT, SMALL, _teacher
+    t = _teacher(tmp_path / "t")
+    over = SMALL + ["--config.model.vocab_size=256", "--config.objective.options.top_k=200",
+                    f"--config.teachers.paths={{'general': '{t}'}}",
+                    "--config.teachers.tokenizers={'general': 'synthetic'}"]
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs/opd.py:topk_distill"), over)
+    with pytest.raises(ValueError, match="top_k=200: expected at most teacher 'general''s "
+                                         "vocabulary size 128"):
+        train_policy(cfg, str(tmp_path / "run"), progress=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
