@@ -195,11 +195,13 @@ def test_bad_inputs_raise_before_any_work(model):
 def test_cache_is_a_pytree_with_shardings():
     from opd_jax.sharding import make_mesh
     cache = KVCache.create(CFG, batch=4, max_len=8)
-    # one [B, K, S, Dh] buffer per layer (L = 2) for k and for v
-    assert len(cache.k) == len(cache.v) == 2 and cache.k[0].shape == (4, 2, 8, 16)
+    # one buffer per layer (L = 2): keys [B, K, Dh, S], values [B, K, S, Dh]
+    assert len(cache.k) == len(cache.v) == 2
+    assert cache.k[0].shape == (4, 2, 16, 8) and cache.v[0].shape == (4, 2, 8, 16)
     assert cache.valid_BxS.shape == (4, 8)
     assert len(jax.tree.leaves(cache)) == 2 * 2 + 2
     placed = jax.device_put(cache, cache.shardings(make_mesh((2, 2, 2))))
     P = jax.sharding.PartitionSpec
     assert placed.k[1].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
+    assert placed.v[1].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
     assert placed.valid.sharding.spec == P(("data", "fsdp"), None)
