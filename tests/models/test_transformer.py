@@ -205,3 +205,34 @@ def test_cache_is_a_pytree_with_shardings():
     assert placed.k[1].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
     assert placed.v[1].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
     assert placed.valid.sharding.spec == P(("data", "fsdp"), None)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_cached_attention_over_a_view_equals_all_slots(T):
+    """A decode step's attend_cached reads the smallest cache view holding slots
+    [0, index + 1), a longer append all slots: for every
+    index (each view, and each boundary between two), the values are attention over all
+    slots with the same mask (slots past the writes are masked), and the view really is a
+    prefix: slots past it may hold anything."""
+    from opd_jax.models.transformer import attend, attend_cached, cache_views
+    Bq, H, K, Dh, S_ = 2, 4, 2, 8, 16
+    views = cache_views(S_)
+    assert views == (2, 4, 6, 8, 10, 12, 14, 16) if jax.default_backend() == "cpu" else (S_,)
+    ks = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(ks[0], (Bq, T, H, Dh))
+    k = jax.random.normal(ks[1], (Bq, K, Dh, S_))
+    v = jax.random.normal(ks[2], (Bq, K, S_, Dh))
+    valid = jax.random.bernoulli(ks[3], 0.8, (Bq, S_)).at[:, 0].set(True)
+    cached = jax.jit(attend_cached, static_argnums=5)
+    for index in range(S_ - T + 1):
+        q_slot = index + jnp.arange(T)
+        mask = (jnp.arange(S_)[None, None] <= q_slot[None, :, None]) & valid[:, None]
+        want = attend(q, k, v, mask, jnp.float32)
+        # slots past the view hold garbage it must not read (they are masked anyway)
+        # (a longer append reads all slots)
+        n = S_ if T > 1 else min(w for w in views if w >= index + T)
+        junk = jnp.arange(S_) >= n
+        k_j = jnp.where(junk, 1e4, k)
+        v_j = jnp.where(junk[:, None], jnp.nan, v)
+        got = cached(q, k_j, v_j, mask, jnp.int32(index), jnp.float32)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"index {index}")
