@@ -24,6 +24,12 @@ rooflines measured in the same run:
   tok/s <= GEMM rate / (2 N), with the rate of the best jitted 2048^3 fp32 matmul. The
   binding bound at B=16 and 64.
 
+Under the last mode, a profile of one decode step: the step (the call less its prefill, per
+token) beside the parts timed as their own programs on the model's weights (the layers'
+projections, the LM head, every layer's attention at the mean step's slot, the sampler)
+and the rest (norms, RoPE, cache writes, bookkeeping, dispatch), with the projections'
+GFLOP/s and GB/s: which operations hold a rate below its bound.
+
 The jax version, device, cpu count and load average before and after are printed too, and
 every line is written to --out when given. transformers runs on torch's default thread
 count unless --torch-threads says otherwise: beside other jobs, 2 OpenMP threads on 2 cores
@@ -75,6 +81,56 @@ def decode_bytes(model, batch, mean_len):
     itemsize = jnp.dtype(cfg.dtype).itemsize
     kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize * batch * mean_len
     return weight_bytes, kv_bytes
+
+
+def step_profile(model, batch, slots, index, repeats):
+    """Milliseconds of the parts of one decode step, each its own jitted program on the
+    model's own weights and functions: the layers' seven projections (x @ W for q, k, v,
+    o, gate, up, down of every layer), the LM head (`model.logits`), the attention of
+    every layer (`attend_cached` on a cache of `slots` slots written up to `index`, the
+    step's own view choice), and the sampler (`sample_logits`, T=1 over the vocabulary).
+    What a whole step takes beyond their sum is the rest: norms, RoPE, cache writes, the
+    engine's bookkeeping and per-op dispatch."""
+    from opd_jax.models.transformer import attend_cached
+    from opd_jax.rollout.sampling import SamplingParams, sample_logits
+    cfg, B, L = model.config, batch, model.config.num_layers
+    D, H, K, Dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    key = jax.random.key(0)
+    x_BxD = jax.random.normal(key, (B, D), jnp.float32)
+    mats = [w.reshape(w.shape[0], -1) if w.ndim == 3 and w.shape[0] == D else
+            w.reshape(-1, w.shape[-1]) for layer in model.layers
+            for w in (layer.attn.q[...], layer.attn.k[...], layer.attn.v[...],
+                      layer.attn.o[...], layer.mlp.gate[...], layer.mlp.up[...],
+                      layer.mlp.down[...])]
+
+    xs = {n: jax.random.normal(key, (B, n), jnp.float32) for n in {w.shape[0] for w in mats}}
+
+    @jax.jit
+    def projections(xs, mats):      # [B, in] rows times each layer's [in, out] weights
+        return [jnp.dot(xs[w.shape[0]], w) for w in mats]
+    graphdef, state = nnx.split(model)      # arrays in, so no per-call graph traversal
+    head = jax.jit(lambda state, h: nnx.merge(graphdef, state).logits(h))
+    q = jax.random.normal(key, (B, 1, H, Dh), jnp.float32)
+    ks = [jax.random.normal(jax.random.fold_in(key, i), (B, K, Dh, slots)) for i in range(L)]
+    vs = [jax.random.normal(jax.random.fold_in(key, L + i), (B, K, slots, Dh)) for i in range(L)]
+    mask = jnp.broadcast_to(jnp.arange(slots) <= index, (B, 1, slots))
+
+    @jax.jit
+    def attention(q, ks, vs, index):
+        return [attend_cached(q, k, v, mask, index, jnp.float32) for k, v in zip(ks, vs)]
+    logits = jax.random.normal(key, (B, cfg.vocab_size), jnp.float32)
+    params = SamplingParams.create(B, temperature=1.0)
+    u = jax.random.uniform(key, (B,))
+    sampler = jax.jit(sample_logits)
+    parts = {"projections": (projections, (xs, mats)),
+             "LM head": (head, (state, x_BxD[:, None])),
+             "attention": (attention, (q, ks, vs, jnp.int32(index))),
+             "sampler": (sampler, (logits, u, params))}
+    out = {}
+    for name, (fn, args) in parts.items():
+        jax.block_until_ready(fn(*args))
+        out[name] = 1e3 * time_best(lambda: jax.block_until_ready(fn(*args)), repeats)
+    return out, sum(2 * B * w.size for w in mats), sum(w.nbytes for w in mats)
 
 
 def bench_ours(model, prompts, new, repeats, temperature):
@@ -173,22 +229,29 @@ def main(argv=None):
                     model, prompts, args.new, args.repeats, temp)
                 theirs = bench_hf(hf, prompts, args.new, args.repeats, temp)
                 ours_tps = tokens / ours
-                # The decode attention reads all `slots` cache slots (masked), not only the
-                # live ones: the same bound with the KV over all of them.
-                full_kv = decode_bytes(model, B, slots)[1]
-                read_bound_full = bandwidth / (weight_bytes + full_kv) * B
                 emit(f"--- batch {B}, {mode}")
                 emit(f"opd_jax      : {ours_tps:9.1f} tok/s ({ours:.3f} s); "
                      f"{ours_tps / read_bound:.0%} of the weight-read bound, "
-                     f"{ours_tps / flop_bound:.0%} of the FLOP bound; with the KV of all "
-                     f"{slots} cache slots ({full_kv / 2**20:.1f} MiB) the weight-read bound "
-                     f"is {read_bound_full:.1f} tok/s ({ours_tps / read_bound_full:.0%})")
+                     f"{ours_tps / flop_bound:.0%} of the FLOP bound")
                 emit(f"transformers : {tokens / theirs:9.1f} tok/s ({theirs:.3f} s); "
                      f"ratio ours / transformers {theirs / ours:.2f}x")
                 emit(f"opd_jax prefill: {B * args.prompt / prefill:9.1f} prompt tok/s "
                      f"({prefill:.3f} s for max_new_tokens=1, {slots} cache slots); compile "
                      f"{compile_s:.1f} s; compiles on a call with new temperature/top-k/"
                      f"top-p/stop ids/seed: {n_compiles}")
+                if mode == modes[-1]:
+                    # the step: the call less its prefill (a max_new_tokens=1 call), per token
+                    step = 1e3 * (ours - prefill) / (args.new - 1)
+                    pad = -(-args.prompt // 64) * 64      # generate's prompt bucket
+                    mid = min(pad + args.new // 2, slots - 1)    # the mean step's slot
+                    prof, p_flops, p_bytes = step_profile(model, B, slots, mid, args.repeats)
+                    rest = step - sum(prof.values())
+                    emit(f"profile of a decode step ({mode}; attention at slot {mid} of "
+                         f"{slots}): step {step:.1f} ms = "
+                         + ", ".join(f"{k} {v:.1f}" for k, v in prof.items())
+                         + f", rest {rest:.1f} ms; the projections run at "
+                         f"{p_flops / prof['projections'] / 1e6:.1f} GFLOP/s and read their "
+                         f"weights at {p_bytes / prof['projections'] / 1e6:.1f} GB/s")
         del hf
     load1 = os.getloadavg()
     emit(f"load average after {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
