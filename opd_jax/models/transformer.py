@@ -180,14 +180,18 @@ def attend(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask_BxTxS, dtype):
 # 318-325 tok/s against 296-298 over all slots, B=16 207-218 against 188-202, B=1 34-37
 # against 34-36; the first call's compile took 1-4 s longer. CPU only: XLA:GPU runs a
 # conditional by copying its branch index to the host, a sync per layer and step.
-DECODE_VIEWS = 8
+# Views are at least MIN_VIEW slots (a small cache gets fewer, or none: each view is one
+# more branch to compile, and a few saved slots are not worth it).
+DECODE_VIEWS, MIN_VIEW = 8, 32
 
 
 def cache_views(S: int) -> tuple[int, ...]:
-    """The static slot counts a cached call may attend over (see DECODE_VIEWS)."""
-    if jax.default_backend() != "cpu":
+    """The static slot counts a cached call may attend over (see DECODE_VIEWS): S/n,
+    2S/n, ..., S rounded up, n = min(DECODE_VIEWS, S // MIN_VIEW); (S,) alone off CPU."""
+    n = min(DECODE_VIEWS, S // MIN_VIEW)
+    if jax.default_backend() != "cpu" or n <= 1:
         return (S,)
-    return tuple(sorted({-(-S * i // DECODE_VIEWS) for i in range(1, DECODE_VIEWS + 1)}))
+    return tuple(sorted({-(-S * i // n) for i in range(1, n + 1)}))
 
 
 def attend_cached(q_BxTxHxDh, k_BxKxDhxS, v_BxKxSxDh, mask_BxTxS, index, dtype):
