@@ -37,13 +37,18 @@ SWEEPS = sorted(d for d in os.listdir(os.path.join(ROOT, "experiments", "kimi_k3
                 if d.startswith("student_sweep"))
 
 
-@pytest.mark.parametrize("where", SWEEPS)
-def test_student_sweep_md_is_regenerated_from_results_json(where):
-    folder = os.path.join(ROOT, "experiments", "kimi_k3", where)
+def _results(folder: str) -> tuple[dict, str]:
+    """A committed experiment folder's results.json (parsed) and results.md (text)."""
     with open(os.path.join(folder, "results.json"), encoding="utf-8") as f:
         results = json.load(f)
     with open(os.path.join(folder, "results.md"), encoding="utf-8") as f:
-        assert student_sweep.report_md(results) == f.read()
+        return results, f.read()
+
+
+@pytest.mark.parametrize("where", SWEEPS)
+def test_student_sweep_md_is_regenerated_from_results_json(where):
+    results, md = _results(os.path.join(ROOT, "experiments", "kimi_k3", where))
+    assert student_sweep.report_md(results) == md
     assert results["commit"] != "unknown" and "preset" in results["variants"]
     # every row pairs with the run's own problems: as many per cell as the evaluation drew
     n = results["eval"]["n"]
@@ -54,11 +59,8 @@ def test_student_sweep_md_is_regenerated_from_results_json(where):
 @pytest.mark.parametrize("where", ["", "before_unk_fix"])
 def test_cross_tokenizer_demo_md_is_regenerated_from_results_json(where):
     from studies import cross_tokenizer_demo as demo
-    folder = os.path.join(ROOT, "experiments", "cross_tokenizer", where)
-    with open(os.path.join(folder, "results.json"), encoding="utf-8") as f:
-        res = json.load(f)
-    with open(os.path.join(folder, "results.md"), encoding="utf-8") as f:
-        assert demo.report_md(res) == f.read()
+    res, md = _results(os.path.join(ROOT, "experiments", "cross_tokenizer", where))
+    assert demo.report_md(res) == md
     assert res["commit"] != "unknown" and res["wall_s"] > 0
     # the claims are the study's function of the passes alone
     n = len(res["passes"]["start"])
