@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from opd_jax.shapes import bucket
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from rollout import (bench_hf, memory_bandwidth_gbs, time_best,  # benchmarks/rollout.py
@@ -242,7 +243,7 @@ def main(argv=None):
                 if mode == modes[-1]:
                     # the step: the call less its prefill (a max_new_tokens=1 call), per token
                     step = 1e3 * (ours - prefill) / (args.new - 1)
-                    pad = -(-args.prompt // 64) * 64      # generate's prompt bucket
+                    pad = bucket(args.prompt, 64)      # generate's prompt bucket
                     mid = min(pad + args.new // 2, slots - 1)    # the mean step's slot
                     prof, p_flops, p_bytes = step_profile(model, B, slots, mid, args.repeats)
                     rest = step - sum(prof.values())

@@ -106,6 +106,13 @@ class Judge:
         return (None, {}) if self.judge is None else self.judge(episodes)
 
 
+def _check_top_k(scoring: dict, vocab: int, whose: str, note: str = "") -> None:
+    """ValueError when the objective's top_k exceeds `vocab` (`whose`: which vocabulary)."""
+    if scoring.get("top_k", 0) > vocab:
+        raise ValueError(f"objective option top_k={scoring['top_k']}: expected at most "
+                         f"{whose} {vocab}{note}")
+
+
 class Teachers:
     """The OPD side of a run (`teachers` section), from the objective's Needs: the bank, the
     per-cell weights (checked against the bank before any work) and the scorer. `enabled` is
@@ -118,9 +125,7 @@ class Teachers:
         if not self.enabled:
             return
         scoring = dict(scoring or {})
-        if scoring.get("top_k", 0) > setup.model_config.vocab_size:
-            raise ValueError(f"objective option top_k={scoring['top_k']}: expected at most the "
-                             f"vocabulary size {setup.model_config.vocab_size}")
+        _check_top_k(scoring, setup.model_config.vocab_size, "the vocabulary size")
         self.bank = TeacherBank(dict(t.paths), max_loaded=t.max_loaded or None,
                                 mesh=setup.mesh, rules=setup.rules)
         self.cell_weights = check_routing([(d, e) for d, _, e in cells], self.bank.keys(),
@@ -140,13 +145,11 @@ class Teachers:
                            f"({sorted(self.bank.keys())})")
         self.configs = self.bank.validate(setup.model_config.vocab_size, setup.tokenizer,
                                           tokenizer_spec, own_tokenizers=own)
-        # served teachers: checked by their probe
         for key in own:     # a teacher with its own tokenizer: top-k within ITS vocabulary
-            if scoring.get("top_k", 0) > self.configs[key].vocab_size:
-                raise ValueError(f"objective option top_k={scoring['top_k']}: expected at "
-                                 f"most teacher {key!r}'s vocabulary size "
-                                 f"{self.configs[key].vocab_size} (its own tokenizer, "
-                                 f"teachers.tokenizers)")
+            _check_top_k(scoring, self.configs[key].vocab_size,
+                         f"teacher {key!r}'s vocabulary size", " (its own tokenizer, "
+                         "teachers.tokenizers)")
+        # served teachers: checked by their probe
         for key, tc in self.configs.items():    # the student's own check, for each teacher
             if max_new_tokens is not None and max_new_tokens >= tc.max_position_embeddings:
                 raise ValueError(f"rollout.sampling.max_new_tokens={max_new_tokens}: expected "
