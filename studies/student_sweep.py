@@ -77,6 +77,18 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
                               {"@init": "merge",
                                "=objective": {"name": "deepseek_full_vocab", "options": {}},
                                "optim": {"lr": 3e-4, "schedule": "cosine"}}),
+    # The student from the merge wanders at its plateau at a constant lr (its in-run curves
+    # rise by iteration 10, then move by more than their se between evaluations): does a
+    # decaying lr, or larger batches per optimizer step, hold more of the gains?
+    "merge_cosine": ("the preset (from the merge) with the lr decayed by cosine to 0.1x",
+                     {"optim": {"schedule": "cosine"}}),
+    "merge_cosine_iters_60": ("merge_cosine for 60 iterations (240 optimizer steps)",
+                              {"optim": {"schedule": "cosine"}, "train": {"steps": 60}}),
+    "merge_batch_2x_cosine": ("from the merge, 60 iterations of 64 prompts in 2 minibatches "
+                              "(120 optimizer steps of 32 rollouts, twice the preset's), "
+                              "lr 2e-4 decayed by cosine to 0.1x",
+                              {"optim": {"schedule": "cosine", "lr": 2e-4},
+                               "rl": {"minibatches": 2}, "train": {"steps": 60}}),
 }
 
 
