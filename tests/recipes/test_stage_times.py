@@ -76,6 +76,28 @@ def test_profiling_runs_are_the_reduced_recipes_students_on_the_base(objective):
     assert cfg.rollout.sampling.max_turns == 10 and cfg.rl.minibatches == 4   # the recipe's
 
 
+@pytest.mark.parametrize("name,objective", [("kimi_mopd_smollm2", "kimi_mopd"),
+                                            ("full_vocab_smollm2", "deepseek_full_vocab")])
+def test_real_model_profiles_are_real_smollm2s_students_on_smollm2(name, objective):
+    mod = _opd_iteration()
+    args = mod.argparse.Namespace(iterations=2, prompts=0, max_new_tokens=0, max_turns=0)
+    cfg = mod.student_config(name, args)
+    assert cfg.objective.name == objective and cfg.model.init_from == "builtin:smollm2"
+    assert set(dict(cfg.teachers.paths)) == {"general/chat", "agent/chat"}
+    assert set(dict(cfg.teachers.paths).values()) == {"builtin:smollm2"}
+    assert cfg.rollout.prompts_per_step == 16 and cfg.train.steps == 2    # the recipe's, 2 iterations
+
+
+def test_flops_table_gives_each_phase_its_share_and_rate():
+    mod = _opd_iteration()
+    r = {"objective": "kimi_mopd", "recipe": "kimi_k3", "stage": "student",
+         "flops": {"rollout": 2e9, "teachers": 1e9, "old_logp": 0.0, "update": 7e9},
+         "median": {"rollout": 2.0, "teachers": 0.5, "old_logp": 0.0, "update": 3.5}}
+    row = mod.flops_table([r])[2]
+    assert row == ("| kimi_mopd (kimi_k3: student) | 1.00e+10 | 2.00e+09 (20%) | 1.0 | "
+                   "1.00e+09 (10%) | 2.0 | 0 | - | 7.00e+09 (70%) | 2.0 |")
+
+
 @pytest.mark.slow
 def test_iteration_profile_writes_its_table(tmp_path):
     # 32 prompts / 4 minibatches: 8 rows a step, one per fake device of the test suite.
@@ -84,4 +106,5 @@ def test_iteration_profile_writes_its_table(tmp_path):
                            "--max-turns", "1", "--iterations", "2", "--out", str(out)])
     text = out.read_text()
     assert "# load average before" in text and "# commit" in text
-    assert "| kimi_mopd (kimi_k3; 6 teachers) | 32 x 4 |" in text
+    assert "| kimi_mopd (kimi_k3: student; 2.2M; 6 teachers) | 32 x 4 |" in text
+    assert "| kimi_mopd (kimi_k3: student) |" in text      # the FLOPs table
