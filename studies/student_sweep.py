@@ -89,6 +89,12 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
                               "lr 2e-4 decayed by cosine to 0.1x",
                               {"optim": {"schedule": "cosine", "lr": 2e-4},
                                "rl": {"minibatches": 2}, "train": {"steps": 60}}),
+    "merge_batch_4x_cosine": ("from the merge, 60 iterations of 128 prompts in 2 minibatches "
+                              "(120 optimizer steps of 64 rollouts, 4x the preset's), lr 2e-4 "
+                              "decayed by cosine to 0.1x",
+                              {"optim": {"schedule": "cosine", "lr": 2e-4},
+                               "rollout": {"prompts_per_step": 128},
+                               "rl": {"minibatches": 2}, "train": {"steps": 60}}),
 }
 
 
