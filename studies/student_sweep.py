@@ -265,13 +265,21 @@ def main(argv=None) -> int:
                    help="the kimi_k3 config (file:preset) the run used")
     p.add_argument("--seeds", default="0")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--eval-n", type=int, default=0,
+                   help="held-out problems per cell and seed (0: the config's eval.n); more "
+                        "than the run's own narrows the per-cell standard errors")
     args = p.parse_args(argv)
     seeds = tuple(int(x) for x in args.seeds.split(","))
     variants = tuple(args.variants.split(","))
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; expected some of {sorted(VARIANTS)}")
-    results = run(load_config(args.config), args.workdir, seeds, variants)
+    c = load_config(args.config)
+    if args.eval_n < 0:
+        raise SystemExit(f"--eval-n={args.eval_n}: expected >= 0 (0: the config's eval.n)")
+    if args.eval_n:
+        c.eval.n = args.eval_n
+    results = run(c, args.workdir, seeds, variants)
     print(write_results(args.workdir, results,
                         "python -m studies.student_sweep " + " ".join(argv or sys.argv[1:])))
     return 0

@@ -11,12 +11,15 @@
 * ``write_markdown(path, results)``: results.md, from the results dict alone;
 * ``plot(c, workdir, results)``: its PNG figures.
 
-Each evaluated (stage, cells, difficulty) is cached in the stage folder as
-``eval_<tag>.json``, so re-running a finished experiment only rebuilds its report.
+Each evaluated (stage, cells, difficulty, problems, sampling) is cached in the stage folder
+as ``eval_<tag>.json``, so re-running a finished experiment only rebuilds its report; the
+tag names everything the rows depend on, so another ``eval.n`` or sampling setting
+evaluates again instead of reading rows of other problems.
 The plots (``plot_curves``, ``plot_bars``) are :mod:`opd_jax.plotting.recipes`'.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -63,7 +66,8 @@ def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]
                    split: str = "eval", seed: int | None = None,
                    n: int | None = None) -> dict[str, dict]:
     """{cell: row} of stage `name` on `cells` ((domain, family, effort) triples), cached in
-    the stage's folder (``eval_<tag>.json``).
+    the stage's folder (``eval_<tag>.json``; the default tag names the difficulty, cells,
+    split, seed, n and a hash of the sampling and batch settings).
 
     path: the model when it is no stage's output (the untouched start; its results are
     cached under ``<workdir>/<name>``). split / seed / n: the problems, ``ev.seed`` and
@@ -71,9 +75,10 @@ def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]
     from the train split)."""
     seed = ev.seed if seed is None else int(seed)
     n = ev.n if n is None else int(n)
+    settings = json.dumps({"sampling": dict(ev.sampling), "batch_size": ev.batch_size},
+                          sort_keys=True, default=list)
     tag = tag or (f"d{difficulty}_" + "_".join(f"{d}-{e}" for d, _, e in cells)
-                  + ("" if (split, seed, n) == ("eval", ev.seed, ev.n)
-                     else f"_{split}_s{seed}_n{n}"))
+                  + f"_{split}_s{seed}_n{n}_" + hashlib.sha1(settings.encode()).hexdigest()[:8])
     path_out = os.path.join(stage_dir(workdir, name), f"eval_{tag}.json")
     if os.path.isfile(path_out):
         with open(path_out, encoding="utf-8") as f:

@@ -267,3 +267,30 @@ def test_a_key_added_since_with_its_default_is_the_same_stage(tmp_path):
     with pytest.raises(ValueError, match="1 differ: config.teachers.weighting: '<absent>' -> "
                                          "'confidence'"):
         run_stage(changed, str(tmp_path), progress=False)
+
+
+def test_a_cached_evaluation_is_reused_only_for_the_same_problems_and_sampling(tmp_path, monkeypatch):
+    # The cache must not hand back rows of another n (or sampling): a report re-run with a
+    # larger eval.n once read the smaller run's rows.
+    import ml_collections
+    calls = []
+
+    def fake_eval(model, tokenizer, tasks, sampling, *, seed, batch_size):
+        calls.append(len(tasks))
+        return [{"cell": "general/max", "passes": [1.0] * len(tasks)}]
+    monkeypatch.setattr(rp, "evaluate_tasks", fake_eval)
+    monkeypatch.setattr(rp, "ModelRef", lambda path: type("M", (), {"load": lambda self: None})())
+    ev = ml_collections.ConfigDict(dict(seed=0, n=3, batch_size=4,
+                                        sampling=dict(temperature=0.0, max_new_tokens=8)))
+    cells = [("general", "chain", "max")]
+    ask = lambda ev, **kw: rp.evaluate_stage(str(tmp_path), "student", cells, ev, tokenizer=None,
+                                             difficulty=1, **kw)
+    assert len(ask(ev)["general/max"]["passes"]) == 3
+    assert len(ask(ev)["general/max"]["passes"]) == 3 and calls == [3]   # cached
+    ev.n = 5
+    assert len(ask(ev)["general/max"]["passes"]) == 5 and calls == [3, 5]
+    ev.sampling.max_new_tokens = 16
+    ask(ev)
+    assert calls == [3, 5, 5]
+    ask(ev, n=3, seed=1)
+    assert calls == [3, 5, 5, 3]
