@@ -95,6 +95,12 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
                               {"optim": {"schedule": "cosine", "lr": 2e-4},
                                "rollout": {"prompts_per_step": 128},
                                "rl": {"minibatches": 2}, "train": {"steps": 60}}),
+    # Not a student: can one model of this size hold both specialists at all? SFT of the
+    # start on the union of the specialists' demos (every domain, every effort) with their
+    # summed steps; no RL, so the teachers' ladder gains on top of their SFT are not in it.
+    "joint_sft": ("not OPD: SFT of the start on the union of the specialists' SFT data "
+                  "(both domains), their summed steps, the specialists' lr",
+                  {"@stage": "joint_sft"}),
 }
 
 
@@ -127,6 +133,12 @@ def variant_stage(c: ml_collections.ConfigDict, seed: int, variant: str,
     if patch is None:
         return student
     patch = dict(patch)
+    if patch.pop("@stage", None) == "joint_sft":
+        domains = dict(c.domains)
+        cfg = kimi_k3.stage_config(c.specialist_sft, seed, domains, tuple(c.efforts))
+        cfg.train.steps = cfg.train.ckpt_every = c.specialist_sft.train.steps * len(domains)
+        return Stage(stage_name(variant), "sft", cfg,
+                     init_from="sft" if c.sft.train.steps else None)
     init = patch.pop("@init", None)
     if init not in (None, "merge", "start"):
         raise ValueError(f"variant {variant!r}: @init={init!r}, expected 'merge' or 'start'")

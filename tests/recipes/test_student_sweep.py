@@ -43,3 +43,13 @@ def test_unknown_variant_is_refused_by_name(tmp_path):
     c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:smoke"))
     with pytest.raises(KeyError, match="no_such"):
         sweep.train_variant(c, str(tmp_path), 0, "no_such")
+
+
+def test_joint_sft_trains_the_start_on_every_domain_with_the_specialists_summed_steps():
+    c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:reduced"))
+    stage = sweep.variant_stage(c, 0, "joint_sft")
+    assert stage.kind == "sft" and stage.init_from is None       # the start (builtin:base)
+    assert dict(stage.config.data.tasks.families) == dict(c.domains)
+    assert tuple(stage.config.data.tasks.efforts) == tuple(c.efforts)
+    assert stage.config.train.steps == 2 * c.specialist_sft.train.steps
+    assert stage.config.optim.lr == c.specialist_sft.optim.lr
