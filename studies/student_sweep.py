@@ -95,6 +95,18 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
                               {"optim": {"schedule": "cosine", "lr": 2e-4},
                                "rollout": {"prompts_per_step": 128},
                                "rl": {"minibatches": 2}, "train": {"steps": 60}}),
+    # Round 2 (seed 0 at 512 problems per cell: the cosine variants with 2x the preset's
+    # compute kept 82% against the preset's 70%): more steps, or a larger lr.
+    "merge_cosine_iters_120": ("merge_cosine for 120 iterations (480 optimizer steps of 16 "
+                               "rollouts)", {"optim": {"schedule": "cosine"},
+                                             "train": {"steps": 120}}),
+    "merge_batch_2x_cosine_iters_120": ("merge_batch_2x_cosine for 120 iterations (240 "
+                                        "optimizer steps of 32 rollouts)",
+                                        {"optim": {"schedule": "cosine", "lr": 2e-4},
+                                         "rl": {"minibatches": 2}, "train": {"steps": 120}}),
+    "merge_batch_2x_cosine_3e-4": ("merge_batch_2x_cosine at lr 3e-4",
+                                   {"optim": {"schedule": "cosine", "lr": 3e-4},
+                                    "rl": {"minibatches": 2}, "train": {"steps": 60}}),
     # Not a student: can one model of this size hold both specialists at all? SFT of the
     # start on the union of the specialists' demos (every domain, every effort) with their
     # summed steps; no RL, so the teachers' ladder gains on top of their SFT are not in it.
