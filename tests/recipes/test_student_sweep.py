@@ -30,13 +30,22 @@ def test_every_variant_is_a_valid_student_config(variant, tmp_path):
     stage = sweep.variant_stage(c, 0, variant, merge="merge_1.5")   # validated there
     out = json.loads(json.dumps(resolved_config(stage, str(tmp_path)).to_dict()))
     config_schema.validate(ml_collections.ConfigDict(out))
-    assert out != cfg or stage.init_from != student.init_from
+    assert out != cfg or stage.init_from != student.init_from or variant in sweep.ADOPTED
     if sweep.VARIANTS[variant][1].get("@init") == "merge":
         with pytest.raises(ValueError, match="give the seed's merge stage"):
             sweep.variant_stage(c, 0, variant)
     if "@init" in sweep.VARIANTS[variant][1]:
         assert stage.init_from == {"merge": "merge_1.5",
                                    "start": None}[sweep.VARIANTS[variant][1]["@init"]]
+
+
+def test_adopted_variants_are_what_the_preset_now_runs(tmp_path):
+    c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:reduced"))
+    student = next(s for s in recipe_module("kimi_k3").build(c, 0) if s.name == "student")
+    as_json = lambda stage: json.loads(json.dumps(resolved_config(stage, str(tmp_path)).to_dict()))
+    for variant in sweep.ADOPTED:
+        stage = sweep.variant_stage(c, 0, variant)
+        assert as_json(stage) == as_json(student) and stage.init_from == student.init_from, variant
 
 
 def test_unknown_variant_is_refused_by_name(tmp_path):
