@@ -21,11 +21,14 @@ import numpy as np
 
 from opd_jax.shapes import bucket
 
+# Rows are padded to bucket(longest - 1, ROW_MULTIPLE) tokens unless a length is given.
+ROW_MULTIPLE = 16
+
 
 def build_sequences(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
                     response_masks: Sequence[Sequence[int]] | None = None,
                     sampler_logps: Sequence[Sequence[float]] | None = None,
-                    seq_len: int | None = None, multiple: int = 16) -> dict[str, np.ndarray]:
+                    seq_len: int | None = None, multiple: int = ROW_MULTIPLE) -> dict[str, np.ndarray]:
     """Pad ``prompt + response`` rows into a shifted batch (see module docstring).
 
     Returns int32 ``inputs, targets, mask, segment_ids, positions`` [B, T], float32

@@ -24,7 +24,9 @@ from opd_jax import losses
 from opd_jax.distributed import settle
 from opd_jax.envs import cell_of
 from opd_jax.episodes import SamplingConfig, build_sequences, play
+from opd_jax.episodes.sequences import ROW_MULTIPLE
 from opd_jax.models import build_tokenizer
+from opd_jax.shapes import bucket
 from opd_jax.teachers import (TeacherBank, TeacherScorer, TeacherScores, check_routing,
                               in_row_chunks, teacher_fields)
 from opd_jax.teachers.scoring import MODEL_INPUTS, to_host, zeros_like
@@ -260,11 +262,19 @@ class Batcher:
     """The batch phase (`rl` and `rollout` sections): sequences, group advantages (std or
     Dr.GRPO; a batch-mean baseline at group size 1) of the task reward plus weight x the
     judge's score, DAPO's soft overlong penalty and dynamic sampling (groups of equal
-    rewards get mask 0)."""
+    rewards get mask 0).
 
-    def __init__(self, cfg: ml_collections.ConfigDict, model_config):
+    Row length: ``rollout.seq_len``, or else the run's longest bucketed row so far
+    (`row_len`, grow-only: a batch of shorter rows is padded to it). Every program of an
+    iteration (teacher scoring, old log-probs, the train step) compiles once per row length,
+    so a run compiles again only when a batch outgrows every earlier one, not each time
+    its longest row lands in another bucket. The run keeps `row_len` in its checkpoints,
+    so a resumed run builds the same shapes."""
+
+    def __init__(self, cfg: ml_collections.ConfigDict, model_config, row_len: int = 0):
         self.rl, self.model_config = cfg.rl, model_config
         self.G, self.seq_len = cfg.rollout.group_size, cfg.rollout.seq_len or None
+        self.row_len = int(row_len)
         self.judge_weight = cfg.rewards.judge.weight if "rewards" in cfg else 0.0
         self.overlong = (int(cfg.rl.get("overlong_buffer", 0)),
                          builders.overlong_max_len(cfg))
@@ -292,11 +302,15 @@ class Batcher:
 
     def __call__(self, episodes, judge_B=None) -> tuple[dict, PolicyBatch, dict]:
         """(the student's sequences, the batch without teacher fields, metrics)."""
+        seq_len = self.seq_len
+        if seq_len is None:
+            longest = max(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
+            self.row_len = seq_len = max(self.row_len, bucket(longest - 1, ROW_MULTIPLE))
         seqs = build_sequences([e.prompt_ids for e in episodes],
                                [e.response_ids for e in episodes],
                                response_masks=[e.response_mask for e in episodes],
                                sampler_logps=[e.sampler_logp for e in episodes],
-                               seq_len=self.seq_len)
+                               seq_len=seq_len)
         builders.check_positions(max(len(e.prompt_ids) + len(e.response_ids)
                                      for e in episodes), self.model_config, "rollout episodes")
         metrics = reward_metrics(episodes)

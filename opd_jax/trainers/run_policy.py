@@ -79,7 +79,8 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                    resume_with_changes=resume_with_changes, guard_unit="optimizer step",
                    keep_initial_params=needs.wants_reference(objective))
     try:
-        judge, batcher = Judge(cfg, setup.tokenizer), Batcher(cfg, setup.model_config)
+        judge = Judge(cfg, setup.tokenizer)
+        batcher = Batcher(cfg, setup.model_config, row_len=run.resumed.get("row_len", 0))
         old_logprobs = OldLogprobs(run, objective, rows, run.initial_params)
         update = Updater(run, objective, rows)
         heldout = evaluate.HeldOut(cfg, cells, setup.tokenizer, teachers.cell_weights)
@@ -125,7 +126,8 @@ def train_policy(cfg: ml_collections.ConfigDict, workdir: str, *, progress: bool
                 run.writer.write(done, metrics)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             if run.due(done, cfg.train.ckpt_every, steps):
-                run.save(run.step, iteration=done, compute=counts.to_dict())
+                run.save(run.step, iteration=done, compute=counts.to_dict(),
+                         row_len=batcher.row_len)
                 rollout.log.checkpointed(done)
     finally:
         run.close()

@@ -66,3 +66,33 @@ def test_the_train_step_compiles_once_whatever_the_teacher_mix(name, teachers, t
     if name != "grpo":
         present = {sum(m) for m in mixes}
         assert present == {1, 2}, f"{name}: the number of teachers never changed: {mixes}"
+
+
+def _episodes(lengths, prompt=8):
+    from opd_jax import envs                    # lazy: only these tests build episodes
+    from opd_jax.episodes.episode import Episode  # lazy: as above
+    task = envs.Task(id="t0", family="arithmetic", domain="general", effort="max",
+                     prompt="p", reference={})
+    return [Episode(task, list(range(1, prompt + 1)), list(range(n - prompt)), [1] * (n - prompt),
+                    [0.0] * (n - prompt)) for n in lengths]
+
+
+def test_rows_keep_the_longest_length_so_far_and_a_resumed_run_the_saved_one():
+    # Each new row length is a new program for teacher scoring, old log-probs and the train
+    # step: the batcher pads to the run's longest bucket so far (grow-only), so a run
+    # compiles again only when a batch outgrows every earlier one.
+    cfg = load_config(os.path.join(ROOT, "opd_jax/configs", PRESETS["kimi_mopd"]), SMALL)
+    assert not cfg.rollout.seq_len                       # the default: lengths from the rows
+    batcher = phases.Batcher(cfg, None)
+    Ts = []
+    for lengths in ([30, 70], [40, 20], [100, 9], [50]):
+        batcher.model_config = type("M", (), {"max_position_embeddings": 4096})()
+        seqs, batch, _ = batcher(_episodes(lengths))
+        Ts.append(seqs["inputs"].shape[1])
+        assert batch["mask"].shape[1] == Ts[-1]
+    assert Ts == [80, 80, 112, 112] and batcher.row_len == 112
+    resumed = phases.Batcher(cfg, batcher.model_config, row_len=112)
+    assert resumed(_episodes([20]))[0]["inputs"].shape[1] == 112
+    fixed = load_config(os.path.join(ROOT, "opd_jax/configs", PRESETS["kimi_mopd"]),
+                        SMALL + ["--config.rollout.seq_len=128"])
+    assert phases.Batcher(fixed, batcher.model_config)(_episodes([20]))[0]["inputs"].shape[1] == 128
