@@ -32,6 +32,7 @@ from opd_jax import envs, losses
 from opd_jax import sharding as sh
 from opd_jax.distributed import settle
 from opd_jax.episodes import align_to_student, build_sequences, prompt_ids
+from opd_jax.episodes.sequences import ROW_MULTIPLE
 from opd_jax.shapes import bucket
 from opd_jax.teachers.bank import TeacherBank
 from opd_jax.teachers.cross_tokenizer import (cut_response, gather_values, map_response,
@@ -84,6 +85,11 @@ def in_row_chunks(fn, batch: dict, rows: int, take=None):
 class TeacherScorer:
     """Scores episodes with their teachers: each teacher runs once per iteration on the rows
     routed to it, in chunks of `chunk_rows` (the last chunk padded by repeating a row).
+
+    Shapes stay few, so a run compiles its teacher forwards early and then not again: fewer
+    routed rows than `chunk_rows` make one chunk of the next power of two (1, 2, 4, ...),
+    not one of their own count, and a teacher's rows are at least as long as the student's
+    (which grow only: `phases.Batcher`), not bucketed on their own.
 
     With the bank on a mesh (`bank.mesh`), chunks are rounded up to a multiple of the
     batch shards (`sharding.batch_shards`) and the forward runs sharded (module docstring).
@@ -201,9 +207,12 @@ class TeacherScorer:
         return ((ids, tlp) if self.kind == "topk" else (lp,)), invalid
 
     def _chunk(self, n_rows: int) -> int:
-        """Rows per scoring forward: `chunk_rows` (or all rows), rounded up to a multiple of
-        the batch shards."""
-        chunk = min(self.chunk_rows or n_rows, n_rows)
+        """Rows per scoring forward: `chunk_rows`, or the next power of two of `n_rows` when
+        that is smaller (all rows when `chunk_rows` is 0), rounded up to a multiple of the
+        batch shards."""
+        chunk = 1 << max(0, (n_rows - 1).bit_length())       # the next power of two
+        if self.chunk_rows:
+            chunk = min(chunk, self.chunk_rows)
         return -(-chunk // self.shards) * self.shards
 
     def __call__(self, episodes, weights, student_seqs):
@@ -236,9 +245,9 @@ class TeacherScorer:
                                                                       role=self.role))
                        for b in padded]
             responses = [episodes[b].response_ids for b in padded]
-            # Row length bucketed (one compile per teacher shape and bucket).
-            tseq = build_sequences(prompts, responses, seq_len=bucket(
-                max(len(p) + len(r) for p, r in zip(prompts, responses)) - 1, 16))
+            # At least the student's row length (one compile per teacher shape and length).
+            tseq = build_sequences(prompts, responses, seq_len=max(T, bucket(
+                max(len(p) + len(r) for p, r in zip(prompts, responses)) - 1, ROW_MULTIPLE)))
             fn = self._fn(graphdef, params, rest)
             inputs = {k: tseq[k] for k in MODEL_INPUTS}
             chunks = [settle(fn(params, rest, self._place(jax.tree.map(

@@ -223,3 +223,31 @@ def test_cross_tokenizer_scoring_in_chunks_equals_the_plain_scorer(tmp_path, kin
             for g, w in zip(got, want):
                 np.testing.assert_allclose(np.asarray(g)[rows][m[rows]],
                                            np.asarray(w)[rows][m[rows]], atol=1e-5)
+
+
+def test_teacher_forwards_take_few_shapes_whatever_the_rows_routed(tmp_path):
+    # A teacher's forward compiled once per number of rows routed to it (and per its own
+    # bucket of their length): with 6 teachers, new shapes kept compiling mid-run.
+    import dataclasses
+
+    from opd_jax.models import synthetic_tokenizer
+    from opd_jax.episodes import Episode, encode
+    from opd_jax.recipes.pipeline import CompileClock
+    from opd_jax.teachers import TeacherScorer as _TeacherScorer
+    cfg = dataclasses.replace(CFG, vocab_size=128)
+    paths = {"a": _write_teacher(tmp_path / "a", cfg, seed=0)}
+    tok = synthetic_tokenizer()
+    scorer = _TeacherScorer(TeacherBank(paths), tok, "logp", chunk_rows=8)
+    assert [scorer._chunk(n) for n in (1, 2, 3, 5, 7, 8, 9, 20)] == [1, 2, 4, 8, 8, 8, 8, 8]
+    tasks = list(envs.TaskSource("arithmetic", size=8, seed=0))
+    bos = [tok.bos_token_id]
+    eps = [Episode(t, bos + encode(tok, envs.render_prompt(t)), response_ids=[5] * 4)
+           for t in tasks]
+    seqs = build_sequences([e.prompt_ids for e in eps], [e.response_ids for e in eps],
+                           seq_len=64)       # the student's rows (grow-only length)
+    scorer(eps, [{"a": 1.0}] * 7 + [{}], seqs)               # 7 rows: one chunk of 8
+    with CompileClock() as clock:
+        for n in (5, 6, 8):                                  # 5..8 rows: the same chunk
+            out = scorer(eps, [{"a": 1.0}] * n + [{}] * (8 - n), seqs)
+            assert np.asarray(out["a"][1]).shape == (8, 64)
+    assert clock.compiles == 0
