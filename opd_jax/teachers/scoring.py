@@ -210,7 +210,7 @@ class TeacherScorer:
         """Rows per scoring forward: `chunk_rows`, or the next power of two of `n_rows` when
         that is smaller (all rows when `chunk_rows` is 0), rounded up to a multiple of the
         batch shards."""
-        chunk = 1 << max(0, (n_rows - 1).bit_length())       # the next power of two
+        chunk = bucket(n_rows, n_rows)                   # the next power of two
         if self.chunk_rows:
             chunk = min(chunk, self.chunk_rows)
         return -(-chunk // self.shards) * self.shards
