@@ -302,17 +302,16 @@ class Batcher:
 
     def __call__(self, episodes, judge_B=None) -> tuple[dict, PolicyBatch, dict]:
         """(the student's sequences, the batch without teacher fields, metrics)."""
+        longest = max(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
         seq_len = self.seq_len
         if seq_len is None:
-            longest = max(len(e.prompt_ids) + len(e.response_ids) for e in episodes)
             self.row_len = seq_len = max(self.row_len, bucket(longest - 1, ROW_MULTIPLE))
         seqs = build_sequences([e.prompt_ids for e in episodes],
                                [e.response_ids for e in episodes],
                                response_masks=[e.response_mask for e in episodes],
                                sampler_logps=[e.sampler_logp for e in episodes],
                                seq_len=seq_len)
-        builders.check_positions(max(len(e.prompt_ids) + len(e.response_ids)
-                                     for e in episodes), self.model_config, "rollout episodes")
+        builders.check_positions(longest, self.model_config, "rollout episodes")
         metrics = reward_metrics(episodes)
         batch = {k: v for k, v in seqs.items() if k not in ("prompt_len", "response_len")}
         rewards_B = np.asarray([e.reward for e in episodes], np.float32)
