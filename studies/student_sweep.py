@@ -108,6 +108,17 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     "merge_batch_2x_cosine_3e-4": ("merge_batch_2x_cosine at lr 3e-4",
                                    {"optim": {"schedule": "cosine", "lr": 3e-4},
                                     "rl": {"minibatches": 2}, "train": {"steps": 60}}),
+    # Round 3 (today's preset, 3 seeds: coding/low kept 63%, its in-run reverse KL to its
+    # teacher barely falls while the other cells' does): a stronger or better-spread signal
+    # on the few tokens that decide a problem, at the preset's cost.
+    "r_max_10": ("the preset with the log-ratio clipped at 10 nats (preset 5)",
+                 {"objective": {"options": {"r_max": 10.0}}}),
+    "r_max_20": ("the preset with the log-ratio clipped at 20 nats (preset 5)",
+                 {"objective": {"options": {"r_max": 20.0}}}),
+    "group_4": ("the preset with 4 samples per prompt (16 prompts x 4 = the same 64 rollouts "
+                "per iteration)", {"rollout": {"group_size": 4, "prompts_per_step": 16}}),
+    "min_lr_0": ("the preset with the lr decayed by cosine to 0 (preset: to 0.1x)",
+                 {"optim": {"min_lr_ratio": 0.0}}),
     # Not a student: can one model of this size hold both specialists at all? SFT of the
     # start on the union of the specialists' demos (every domain, every effort) with their
     # summed steps; no RL, so the teachers' ladder gains on top of their SFT are not in it.
