@@ -119,6 +119,9 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
                 "per iteration)", {"rollout": {"group_size": 4, "prompts_per_step": 16}}),
     "min_lr_0": ("the preset with the lr decayed by cosine to 0 (preset: to 0.1x)",
                  {"optim": {"min_lr_ratio": 0.0}}),
+    "dense_ckpts": ("the preset with a checkpoint every 2 iterations, the last 16 kept "
+                    "(the same training: for averaging the last iterates)",
+                    {"train": {"ckpt_every": 2, "keep_checkpoints": 16}}),
     # Not a student: can one model of this size hold both specialists at all? SFT of the
     # start on the union of the specialists' demos (every domain, every effort) with their
     # summed steps; no RL, so the teachers' ladder gains on top of their SFT are not in it.
