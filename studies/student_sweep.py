@@ -122,6 +122,22 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     "dense_ckpts": ("the preset with a checkpoint every 2 iterations, the last 16 kept "
                     "(the same training: for averaging the last iterates)",
                     {"train": {"ckpt_every": 2, "keep_checkpoints": 16}}),
+    # A student that samples its own mode almost always (entropy ~0.07 nats/token) rarely
+    # visits the token its teacher prefers where it is confidently wrong: rollouts at a
+    # higher temperature expose it. The loss is unchanged (the T = 1 student against the
+    # teacher); the mismatch correction is off, since IcePop would mask the very tokens the
+    # temperature makes likelier (their T = 1 / sampler ratio falls below its 0.5 bound).
+    "temp_1.3": ("the preset with rollouts sampled at temperature 1.3, no mismatch "
+                 "correction", {"rollout": {"sampling": {"temperature": 1.3}},
+                                "objective": {"options": {"correction": {"kind": None}}}}),
+    "temp_1.6": ("the preset with rollouts sampled at temperature 1.6, no mismatch "
+                 "correction", {"rollout": {"sampling": {"temperature": 1.6}},
+                                "objective": {"options": {"correction": {"kind": None}}}}),
+    "no_correction": ("the preset without the mismatch correction (temp_1.3's control)",
+                      {"objective": {"options": {"correction": {"kind": None}}}}),
+    "full_vocab_preset": ("full-vocabulary reverse KL at the preset's schedule and cost (a "
+                          "row beside the Kimi student, never in its place)",
+                          {"=objective": {"name": "deepseek_full_vocab", "options": {}}}),
     # Not a student: can one model of this size hold both specialists at all? SFT of the
     # start on the union of the specialists' demos (every domain, every effort) with their
     # summed steps; no RL, so the teachers' ladder gains on top of their SFT are not in it.
