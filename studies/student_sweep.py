@@ -138,6 +138,12 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     "full_vocab_preset": ("full-vocabulary reverse KL at the preset's schedule and cost (a "
                           "row beside the Kimi student, never in its place)",
                           {"=objective": {"name": "deepseek_full_vocab", "options": {}}}),
+    # Adam's second moment at b2 = 0.95 follows the sampled-token gradient's noise within
+    # ~20 steps; a longer memory steadies the per-parameter step size.
+    "b2_0.999": ("the preset with Adam b2 = 0.999 (preset 0.95)", {"optim": {"b2": 0.999}}),
+    "lr_5e-5_iters_120": ("the preset at lr 5e-5 for 120 iterations (the preset's summed lr "
+                          "in twice the steps)", {"optim": {"lr": 5e-5},
+                                                  "train": {"steps": 120}}),
     # Not a student: can one model of this size hold both specialists at all? SFT of the
     # start on the union of the specialists' demos (every domain, every effort) with their
     # summed steps; no RL, so the teachers' ladder gains on top of their SFT are not in it.
