@@ -26,15 +26,18 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 
+import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 
 from opd_jax import envs
 from opd_jax.config import load_config
-from opd_jax.models import build_tokenizer
+from opd_jax.models import ModelRef, build_tokenizer, save_pretrained
 from opd_jax.recipes import kimi_k3
 from opd_jax.recipes.kimi_k3 import MERGE_K
 from opd_jax.recipes import report as rp
@@ -144,6 +147,12 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     "lr_5e-5_iters_120": ("the preset at lr 5e-5 for 120 iterations (the preset's summed lr "
                           "in twice the steps)", {"optim": {"lr": 5e-5},
                                                   "train": {"steps": 120}}),
+    # Not trained: is the plateau the last iterate's noise? The uniform average of the last
+    # k checkpoints of dense_ckpts (which keeps one every 2 iterations).
+    "dense_ckpts_avg_8": ("not trained: the uniform average of dense_ckpts' last 8 "
+                          "checkpoints (iterations 46-60)", {"@average": ["dense_ckpts", 8]}),
+    "dense_ckpts_avg_16": ("not trained: the uniform average of dense_ckpts' last 16 "
+                           "checkpoints (iterations 30-60)", {"@average": ["dense_ckpts", 16]}),
     # Not a student: can one model of this size hold both specialists at all? SFT of the
     # start on the union of the specialists' demos (every domain, every effort) with their
     # summed steps; no RL, so the teachers' ladder gains on top of their SFT are not in it.
@@ -186,6 +195,9 @@ def variant_stage(c: ml_collections.ConfigDict, seed: int, variant: str,
     if patch is None:
         return student
     patch = dict(patch)
+    if "@average" in patch:
+        raise ValueError(f"variant {variant!r} averages another variant's checkpoints; it is "
+                         f"no stage (train_variant writes it)")
     if patch.pop("@stage", None) == "joint_sft":
         domains = dict(c.domains)
         cfg = kimi_k3.stage_config(c.specialist_sft, seed, domains, tuple(c.efforts))
@@ -206,10 +218,42 @@ def variant_stage(c: ml_collections.ConfigDict, seed: int, variant: str,
                                init_from=init_from)
 
 
+def average_checkpoints(stage_folder: str, k: int, out: str) -> None:
+    """Write the uniform average of the last `k` checkpoints of a finished stage as an HF
+    folder `out` (written beside it, then renamed: a killed write leaves no half model)."""
+    ck = os.path.join(stage_folder, "checkpoints")
+    steps = sorted(int(s) for s in os.listdir(ck) if s.isdigit()) if os.path.isdir(ck) else []
+    if len(steps) < k:
+        raise ValueError(f"{stage_folder}: {len(steps)} checkpoints kept, {k} to average "
+                         f"(expected train.keep_checkpoints >= {k})")
+    ref = ModelRef(stage_folder)
+    params = []
+    for step in steps[-k:]:
+        graphdef, p, rest = nnx.split(ModelRef(os.path.join(ck, str(step))).load(),
+                                      nnx.Param, ...)
+        params.append(p)
+    avg = jax.tree.map(lambda *xs: sum(xs) / len(xs), *params)
+    spec, fingerprint = ref.tokenizer_identity()
+    tmp = out + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_pretrained(nnx.merge(graphdef, avg, rest), tmp,
+                    tokenizer={"spec": spec, "fingerprint": fingerprint})
+    os.replace(tmp, out)
+
+
 def train_variant(c: ml_collections.ConfigDict, sw: str, seed: int, variant: str,
                   merge: str | None = None) -> dict:
     """Train (or resume, or find done: the pipeline's `run_stage`, which refuses a finished
-    folder run with other settings) a variant in seed folder `sw`; its cost record."""
+    folder run with other settings) a variant in seed folder `sw`; its cost record (an
+    "@average" variant: its source's, after writing the average once)."""
+    patch = VARIANTS[variant][1] or {}
+    if "@average" in patch:
+        source, k = patch["@average"]
+        cost = train_variant(c, sw, seed, source, merge)
+        out = stage_dir(sw, stage_name(variant))
+        if not os.path.isfile(os.path.join(out, "model.safetensors")):
+            average_checkpoints(stage_dir(sw, stage_name(source)), int(k), out)
+        return cost
     rec = run_stage(variant_stage(c, seed, variant, merge), sw)
     comp = rec.get("compute") or {}
     return {"wall_s": rec["wall_s"], "optimizer_steps": rec["optimizer_steps"],

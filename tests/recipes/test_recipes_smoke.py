@@ -4,9 +4,13 @@ and the results table, JSON and plots are written."""
 import json
 import os
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
 from opd_jax.config import load_config
+from opd_jax.models import ModelRef
 from opd_jax.recipes import recipe_module, run_experiment
 from opd_jax.recipes.pipeline import is_done
 from opd_jax.trainers.metrics import read_metrics
@@ -96,3 +100,36 @@ def _check_student_sweep(c, tmp_path):
     md = sweep.write_results(str(tmp_path), res, "test")
     again = json.load(open(tmp_path / "student_sweep" / "results.json"))
     assert sweep.report_md(again) == md and "| seq_mean |" in md
+    _check_averaged_iterates(c, tmp_path, sweep)
+
+
+def _check_averaged_iterates(c, tmp_path, sweep):
+    """An "@average" variant is the uniform average of its source variant's last k
+    checkpoints, written once as a model folder, evaluated like any row, costed as its
+    source; a source that kept fewer checkpoints is refused."""
+    patches = {"every_ckpt": ("test", {"train": {"ckpt_every": 1, "keep_checkpoints": 2}}),
+               "every_ckpt_avg_2": ("test", {"@average": ["every_ckpt", 2]}),
+               "every_ckpt_avg_3": ("test", {"@average": ["every_ckpt", 3]})}
+    old = dict(sweep.VARIANTS)
+    sweep.VARIANTS.update(patches)
+    try:
+        res = sweep.run(c, str(tmp_path), (0,), ("every_ckpt", "every_ckpt_avg_2"))
+        with pytest.raises(ValueError, match="2 checkpoints kept, 3 to average"):
+            sweep.run(c, str(tmp_path), (0,), ("every_ckpt_avg_3",))
+    finally:
+        sweep.VARIANTS.clear()
+        sweep.VARIANTS.update(old)
+    ck = tmp_path / "seed0" / "sweep_every_ckpt" / "checkpoints"
+    steps = sorted(int(s) for s in os.listdir(ck) if s.isdigit())
+    assert len(steps) == 2
+    ps = [nnx.state(ModelRef(str(ck / str(s))).load(), nnx.Param) for s in steps]
+    avg = nnx.state(ModelRef(str(tmp_path / "seed0" / "sweep_every_ckpt_avg_2")).load(),
+                    nnx.Param)
+    for a, b, m in zip(jax.tree.leaves(ps[0]), jax.tree.leaves(ps[1]), jax.tree.leaves(avg)):
+        np.testing.assert_allclose(np.asarray(m), (np.asarray(a) + np.asarray(b)) / 2,
+                                   rtol=1e-6, atol=1e-7)
+    assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(jax.tree.leaves(ps[0]), jax.tree.leaves(ps[1])))
+    per_seed = res["per_seed"][0]
+    assert per_seed["cost"]["every_ckpt_avg_2"] == per_seed["cost"]["every_ckpt"]
+    assert len(per_seed["models"]["every_ckpt_avg_2"]) == len(per_seed["models"]["start"])
