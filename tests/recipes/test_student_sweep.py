@@ -22,7 +22,8 @@ def test_patched_updates_nested_and_replaces_marked_sections():
     assert cfg["optim"]["lr"] == 1e-4 and cfg["objective"]["options"] == {"x": 1}  # untouched
 
 
-@pytest.mark.parametrize("variant", [v for v, (_, p) in sweep.VARIANTS.items() if p])
+@pytest.mark.parametrize("variant", [v for v, (_, p) in sweep.VARIANTS.items()
+                                     if p and "@average" not in p])
 def test_every_variant_is_a_valid_student_config(variant, tmp_path):
     c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:reduced"))
     student = next(s for s in recipe_module("kimi_k3").build(c, 0) if s.name == "student")
@@ -37,6 +38,17 @@ def test_every_variant_is_a_valid_student_config(variant, tmp_path):
     if "@init" in sweep.VARIANTS[variant][1]:
         assert stage.init_from == {"merge": "merge_1.5",
                                    "start": None}[sweep.VARIANTS[variant][1]["@init"]]
+
+
+@pytest.mark.parametrize("variant", [v for v, (_, p) in sweep.VARIANTS.items()
+                                     if p and "@average" in p])
+def test_an_averaging_variant_names_a_trained_variant_and_is_no_stage(variant):
+    source, k = sweep.VARIANTS[variant][1]["@average"]
+    assert source in sweep.VARIANTS and "@average" not in (sweep.VARIANTS[source][1] or {})
+    assert isinstance(k, int) and k >= 2
+    c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:reduced"))
+    with pytest.raises(ValueError, match="averages another variant's checkpoints"):
+        sweep.variant_stage(c, 0, variant)
 
 
 def test_adopted_variants_are_what_the_preset_now_runs(tmp_path):
