@@ -183,7 +183,37 @@ def _last_positive(x_BxK) -> jax.Array:
     return (K - 1 - jnp.argmax((x_BxK > 0)[:, ::-1], axis=1)).astype(jnp.int32)
 
 
+# On CPU the sampler runs over SAMPLER_ROWS rows at a time (lax.map over row chunks): its
+# [B, V] fp32 intermediates then stay in cache. XLA:CPU, V = 49,152, T = 1, jitted alone:
+# B=64 8.5 ms whole against 1.2 ms in chunks of 16; B=32 0.69 against 0.64; B=16 0.37
+# (one chunk). Off CPU the whole batch is one program (a GPU loop would only serialize).
+SAMPLER_ROWS = 16
+
+
 def sample_logits(logits_BxV, u_B, params: SamplingParams):
+    """`sample_rows` over the batch, SAMPLER_ROWS rows at a time on CPU (the same values:
+    every row's token and log-prob depend on that row alone)."""
+    B = logits_BxV.shape[0]
+    if jax.default_backend() != "cpu" or B <= SAMPLER_ROWS:
+        return sample_rows(logits_BxV, u_B, params)
+    n = -(-B // SAMPLER_ROWS)
+    pad = n * SAMPLER_ROWS - B
+
+    def chunks(x_B):          # [B, ...] -> [n, SAMPLER_ROWS, ...], padded with row 0
+        x_B = jnp.concatenate([x_B, jnp.broadcast_to(x_B[:1], (pad, *x_B.shape[1:]))]) \
+            if pad else x_B
+        return x_B.reshape(n, SAMPLER_ROWS, *x_B.shape[1:])
+
+    def one(xs):
+        logits, u, temp, top_k, top_p = xs
+        return sample_rows(logits, u, params.replace(temperature_B=temp, top_k_B=top_k,
+                                                     top_p_B=top_p))
+    token, logp = lax.map(one, tuple(chunks(x) for x in (
+        logits_BxV, u_B, params.temperature_B, params.top_k_B, params.top_p_B)))
+    return token.reshape(-1)[:B], logp.reshape(-1)[:B]
+
+
+def sample_rows(logits_BxV, u_B, params: SamplingParams):
     """Sample one token per row by inverse CDF with the uniform u_B in [0, 1).
 
     Returns (token_B, logp_B) where logp_B = log p_sampler(token) under the processed

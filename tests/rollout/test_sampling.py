@@ -113,6 +113,26 @@ def test_two_level_search_equals_the_reference(V, temperature, top_k, top_p):
                                np.asarray(ref_logp)[tok == ref_tok], atol=1e-5)
 
 
+@pytest.mark.parametrize("B", [17, 37, 64])
+def test_row_chunks_give_every_row_what_the_whole_batch_gives(B):
+    """On CPU, sample_logits runs SAMPLER_ROWS rows at a time (the last chunk padded): the
+    same tokens and log-probs as `sample_rows` over the whole batch, per-row temperature
+    (greedy included), top-k and top-p kept with their rows."""
+    from opd_jax.rollout.sampling import SAMPLER_ROWS, sample_rows
+    assert B > SAMPLER_ROWS
+    V = 1_000
+    logits = jax.random.normal(jax.random.key(B), (B, V)) * 3.0
+    u_B = jax.random.uniform(jax.random.key(B + 1), (B,))
+    r = np.random.default_rng(B)
+    params = SamplingParams.create(B, temperature=r.choice([0.0, 0.7, 1.0, 1.5], B),
+                                   top_k=r.choice([0, 5, 50], B), top_p=r.choice([1.0, 0.8], B))
+    tok, logp = jax.jit(sample_logits)(logits, u_B, params)
+    want_tok, want_logp = jax.jit(sample_rows)(logits, u_B, params)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
+    np.testing.assert_allclose(np.asarray(logp), np.asarray(want_logp), rtol=1e-6, atol=1e-6)
+    assert tok.shape == (B,) and (np.asarray(params.temperature_B) == 0).any()
+
+
 @pytest.mark.parametrize("V", [7, 128, 1000, 32_000])
 def test_threshold_filter_equals_the_sorted_one(V):
     """top-k / top-p by bisection over the fp32 bit patterns keeps exactly the tokens the
