@@ -192,9 +192,20 @@ SAMPLER_ROWS = 16
 
 def sample_logits(logits_BxV, u_B, params: SamplingParams):
     """`sample_rows` over the batch, SAMPLER_ROWS rows at a time on CPU (the same values:
-    every row's token and log-prob depend on that row alone)."""
+    every row's token and log-prob depend on that row alone). On CPU a batch whose rows are
+    all greedy takes `greedy_rows` alone (a runtime branch of the same program: no
+    recompile when the temperature changes), skipping the exponentials and sums of the
+    sampling path. Off CPU the branch would cost a device-to-host copy per step."""
+    if jax.default_backend() != "cpu":
+        return sample_rows(logits_BxV, u_B, params)
+    return lax.cond(jnp.all(params.temperature_B <= 0),
+                    lambda x, u, p: greedy_rows(x), _sample_in_chunks,
+                    logits_BxV, u_B, params)
+
+
+def _sample_in_chunks(logits_BxV, u_B, params: SamplingParams):
     B = logits_BxV.shape[0]
-    if jax.default_backend() != "cpu" or B <= SAMPLER_ROWS:
+    if B <= SAMPLER_ROWS:
         return sample_rows(logits_BxV, u_B, params)
     n = -(-B // SAMPLER_ROWS)
     pad = n * SAMPLER_ROWS - B
@@ -227,14 +238,9 @@ def sample_rows(logits_BxV, u_B, params: SamplingParams):
     `sample_logits_reference`; the two differ only where rounding moves u across a
     boundary (|u x total - cdf| ~ 1e-7 of the total).
     """
-    B, V = logits_BxV.shape
     z_BxV = _scaled_and_filtered(logits_BxV, params)
-    bs = _block_size(V)
-    nb = -(-V // bs)
-    z_BxNxS = jnp.pad(z_BxV, ((0, 0), (0, nb * bs - V)),
-                      constant_values=-jnp.inf).reshape(B, nb, bs)
-    zmax_BxN = jnp.max(z_BxNxS, axis=-1)
-    m_B = jnp.max(zmax_BxN, axis=-1)
+    z_BxNxS, zmax_BxN, m_B = _blocks(z_BxV)
+    bs = z_BxNxS.shape[2]
     e_BxNxS = jnp.exp(z_BxNxS - m_B[:, None, None])           # filtered, padding: exactly 0
     sums_BxN = jnp.sum(e_BxNxS, axis=-1)
     cum_blocks_BxN = jnp.cumsum(sums_BxN, axis=-1)
@@ -248,18 +254,43 @@ def sample_rows(logits_BxV, u_B, params: SamplingParams):
     inner_B = jnp.sum(jnp.cumsum(e_BxS, axis=-1) <= (threshold_B - before_B)[:, None], axis=-1)
     inner_B = jnp.minimum(inner_B, _last_positive(e_BxS))
     sampled_B = (block_B * bs + inner_B).astype(jnp.int32)
-    # Greedy: the first maximum (jnp.argmax's rule), in the same two levels (XLA's CPU
-    # argmax over [B, V] is a slow index-carrying reduce): the first block holding the row
-    # maximum, then the first position in it. Top-k / top-p never drop the maximum, and
-    # greedy rows keep T = 1, so this is the argmax of the raw logits.
-    gblock_B = jnp.argmax(zmax_BxN == m_B[:, None], axis=-1).astype(jnp.int32)
-    z_blk_BxS = jnp.take_along_axis(z_BxNxS, gblock_B[:, None, None], axis=1)[:, 0]
-    argmax_B = gblock_B * bs + jnp.argmax(z_blk_BxS == m_B[:, None], axis=-1).astype(jnp.int32)
+    # Greedy rows: top-k / top-p never drop the maximum, and greedy rows keep T = 1, so
+    # this is the argmax of the raw logits.
+    argmax_B = _first_max(z_BxNxS, zmax_BxN, m_B)
     greedy_B = params.temperature_B <= 0
     token_B = jnp.where(greedy_B, argmax_B, sampled_B)
     z_tok_B = jnp.take_along_axis(z_BxV, token_B[:, None], axis=-1)[:, 0]
     logp_B = z_tok_B - m_B - jnp.log(total_B)
     return token_B, jnp.where(greedy_B, 0.0, logp_B)
+
+
+def _blocks(z_BxV):
+    """[B, V] -> ([B, nb, bs] padded with -inf, the block maxima [B, nb], the row maxima
+    [B]), bs = `_block_size(V)`."""
+    B, V = z_BxV.shape
+    bs = _block_size(V)
+    nb = -(-V // bs)
+    z_BxNxS = jnp.pad(z_BxV, ((0, 0), (0, nb * bs - V)),
+                      constant_values=-jnp.inf).reshape(B, nb, bs)
+    zmax_BxN = jnp.max(z_BxNxS, axis=-1)
+    return z_BxNxS, zmax_BxN, jnp.max(zmax_BxN, axis=-1)
+
+
+def _first_max(z_BxNxS, zmax_BxN, m_B) -> jax.Array:
+    """The first maximum of each row (jnp.argmax's rule) in two levels, since XLA's CPU
+    argmax over [B, V] is a slow index-carrying reduce: the first block holding the row
+    maximum, then the first position in it."""
+    bs = z_BxNxS.shape[2]
+    gblock_B = jnp.argmax(zmax_BxN == m_B[:, None], axis=-1).astype(jnp.int32)
+    z_blk_BxS = jnp.take_along_axis(z_BxNxS, gblock_B[:, None, None], axis=1)[:, 0]
+    return gblock_B * bs + jnp.argmax(z_blk_BxS == m_B[:, None], axis=-1).astype(jnp.int32)
+
+
+def greedy_rows(logits_BxV):
+    """(token_B, logp_B) of a batch of greedy rows: the first argmax of the raw logits, and
+    log-prob 0 (a point mass), as `sample_rows` gives them."""
+    z_BxNxS, zmax_BxN, m_B = _blocks(logits_BxV.astype(F32))
+    return _first_max(z_BxNxS, zmax_BxN, m_B), jnp.zeros(logits_BxV.shape[:1], F32)
 
 
 def sample_logits_reference(logits_BxV, u_B, params: SamplingParams):

@@ -131,6 +131,12 @@ def test_row_chunks_give_every_row_what_the_whole_batch_gives(B):
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
     np.testing.assert_allclose(np.asarray(logp), np.asarray(want_logp), rtol=1e-6, atol=1e-6)
     assert tok.shape == (B,) and (np.asarray(params.temperature_B) == 0).any()
+    # a batch of greedy rows only takes the argmax branch: what sample_rows gives them
+    greedy = SamplingParams.create(B, temperature=0.0, top_k=r.choice([0, 5], B))
+    tok, logp = jax.jit(sample_logits)(logits, u_B, greedy)
+    want_tok, want_logp = jax.jit(sample_rows)(logits, u_B, greedy)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(want_tok))
+    assert not np.asarray(logp).any() and not np.asarray(want_logp).any()
 
 
 @pytest.mark.parametrize("V", [7, 128, 1000, 32_000])
