@@ -198,11 +198,8 @@ def variant_stage(c: ml_collections.ConfigDict, seed: int, variant: str,
     if "@average" in patch:
         raise ValueError(f"variant {variant!r} averages another variant's checkpoints; it is "
                          f"no stage (train_variant writes it)")
-    if patch.pop("@stage", None) == "joint_sft":
-        domains = dict(c.domains)
-        cfg = kimi_k3.stage_config(c.specialist_sft, seed, domains, tuple(c.efforts))
-        cfg.train.steps = cfg.train.ckpt_every = c.specialist_sft.train.steps * len(domains)
-        return Stage(stage_name(variant), "sft", cfg,
+    if patch.pop("@stage", None) == "joint_sft":      # the mixed-data baseline's SFT
+        return Stage(stage_name(variant), "sft", kimi_k3.mixed_sft_config(c, seed),
                      init_from="sft" if c.sft.train.steps else None)
     init = patch.pop("@init", None)
     if init not in (None, "merge", "start"):

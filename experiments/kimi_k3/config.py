@@ -12,8 +12,8 @@ Presets:
                 a cold start on the teacher cells would spend their headroom); the student
                 starts from the teachers' task-arithmetic merge at scale 1; one seed
                 (``--config.seeds="(0,1,2)"`` for the table).
-  ``full``    — 3 domains x 3 efforts, annealed and plain effort ladders, 3 seeds
-                (``--config.seeds="(0,)"`` for one).
+  ``full``    — 3 domains x 3 efforts, annealed and plain effort ladders, the mixed-data
+                baseline, 3 seeds (``--config.seeds="(0,)"`` for one).
   ``smoke``   — the smallest pipeline for tests (a random 1-layer model, one domain, two
                 efforts, a few iterations).
   ``scale_v5p64``, ``scale_8xh100`` — real sizes (Qwen3-1.7B student, Qwen3-8B teachers from
@@ -99,6 +99,12 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     elif arg == "full":
         c.seeds = (0, 1, 2)
         c.effort_schedule = "both"
+        # The mixed-data baseline: SFT on all three domains' demos (the specialists' summed
+        # 300 steps), then GRPO on all 9 cells. Its iterations match the RL compute: at the
+        # reduced preset (13b5ecf, seed 0) a GRPO iteration cost about 1.15e11 FLOPs and the
+        # student 8.3e12, so the 18 rungs (both ladders) and the student come to about
+        # 2.5e13, some 216 iterations. The report prints both sides' measured FLOPs.
+        c.mixed_rl_steps = 216
     elif arg == "smoke":
         c.domains = {"general": "chain"}
         c.efforts = ("high", "max")
@@ -107,6 +113,7 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
         c.merge_scales = (0.5, 1.0)
         c.student_from_merge = 1.0
         c.val_n = 2
+        c.mixed_rl_steps = 2
     elif arg in MESHES:          # scale_v5p64, scale_8xh100: real sizes, compile-checked
         c.specialist_sft.train.steps = 0    # teachers' own cold start is c.teacher_sft
         apply_scale(c, arg)

@@ -19,6 +19,11 @@ Stages of one seed:
 4. ``student``: MOPD, the teacher routed per sample by (domain, effort), the seed's clipped
    sampled-token signal; from the start, or (``c.student_from_merge``: a scale) from that
    merge, which already holds part of every teacher (measured: the student sweep).
+5. The mixed-data baseline (``c.mixed_rl_steps > 0``): one model trained on the union of the
+   specialists' data by their own recipe, with no specialists: ``mixed_sft`` (SFT of the
+   start on every domain's demos, the specialists' summed steps) then ``mixed`` (GRPO with
+   the teachers' settings on every cell, ``c.mixed_rl_steps`` iterations, chosen so its
+   compute matches the specialists' and the student's; the report prints both).
 
 The report (`collect`, `claims`) reads pass rate (verifier correctness) only: the length
 penalty stays in the training reward and in the reward columns, and no claim reads it. Every
@@ -32,7 +37,9 @@ standard errors count problems. Claims, each paired per problem and pooled over 
 * effort binds in pass rate for teachers and student: max - high and high - low >= EFFORT_GAP;
 * the student keeps the teachers' gains: (student - start) / (teacher - start) has mean >=
   0.9 and minimum >= 0.8 over cells;
-* the student beats the validation-tuned merge beyond 2 se on every cell.
+* the student beats the validation-tuned merge beyond 2 se on every cell;
+* with the mixed-data baseline: the student beats it beyond 2 se on every cell, its compute
+  and the specialists' plus the student's printed beside.
 """
 from __future__ import annotations
 
@@ -131,7 +138,36 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
         init = merge_name(from_merge)
     stages.append(Stage("student", "opd", stage_config(c.student, seed, domains, efforts),
                         init_from=init, teachers=teachers))
+    if c.get("mixed_rl_steps", 0):
+        stages += mixed_stages(c, seed, start)
     return stages
+
+
+MIXED = "mixed"      # the mixed-data baseline's final stage (its SFT: "mixed_sft")
+
+
+def mixed_sft_config(c: ml_collections.ConfigDict, seed: int) -> ml_collections.ConfigDict:
+    """SFT of the start on the union of the specialists' SFT data (every domain, every
+    effort), with their summed steps and their settings."""
+    domains = dict(c.domains)
+    cfg = stage_config(c.specialist_sft, seed, domains, tuple(c.efforts))
+    cfg.train.steps = cfg.train.ckpt_every = c.specialist_sft.train.steps * len(domains)
+    return cfg
+
+
+def mixed_stages(c: ml_collections.ConfigDict, seed: int, start: str | None) -> list[Stage]:
+    """The mixed-data baseline (module doc, 5): ``mixed_sft`` (when the specialists have an
+    SFT) then ``mixed``, GRPO on every cell for ``c.mixed_rl_steps`` iterations."""
+    out, init = [], start
+    spec = c.get("specialist_sft")
+    if spec is not None and spec.train.steps:
+        out.append(Stage("mixed_sft", "sft", mixed_sft_config(c, seed), init_from=start))
+        init = "mixed_sft"
+    rl = stage_config(c.teacher, seed, dict(c.domains), tuple(c.efforts))
+    rl.train.steps = int(c.mixed_rl_steps)
+    rl.train.ckpt_every = min(int(rl.train.ckpt_every), rl.train.steps)
+    out.append(Stage(MIXED, "grpo", rl, init_from=init))
+    return out
 
 
 def teacher_root(c: ml_collections.ConfigDict, stages: list[Stage], seed: int, domains: dict,
@@ -226,6 +262,8 @@ def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dic
         val = merge_validation(c, sw, stages, seed, tokenizer)
         best = max(val, key=val.get)
         models["merge"] = evs(best, cells)
+        if any(s.name == MIXED for s in stages):
+            models[MIXED] = evs(MIXED, cells)
         teacher = {cell: evs(routed[cell], [(d, fam, e)])[cell]
                    for cell, (d, fam, e) in zip(names, cells)}
         plain = ({cell: evs(teacher_name(d, e, plain=True), [(d, fam, e)])[cell]
@@ -265,6 +303,10 @@ def table(per_seed: list[dict], names: list[str], domains: dict, efforts, top: s
                "student": model("student", cell), "merge": model("merge", cell)}
         if per_seed[0]["plain"]:
             get["plain"] = lambda s, cell=cell: s["plain"][cell]
+        if MIXED in per_seed[0]["models"]:
+            get[MIXED] = model(MIXED, cell)
+            out.setdefault("student_vs_mixed", {})[cell] = rp.paired(
+                _pooled(per_seed, get["student"]), _pooled(per_seed, get[MIXED]))
         out["pass"][cell] = {m: float(np.mean(_pooled(per_seed, g))) for m, g in get.items()}
         out["reward"][cell] = {m: float(np.mean(_pooled(per_seed, g, "rewards")))
                                for m, g in get.items()}
@@ -362,10 +404,34 @@ def claims(results: dict) -> list[dict]:
                          f"{MERGE_K:g} se",
                 "pass": all(beats(p, 0.0, MERGE_K) for p in vm.values()),
                 "measured": rp.paired_list(vm) + f"; chosen on validation: {', '.join(scales)}"})
+    if "student_vs_mixed" in t:
+        out.append(mixed_claim(results))
     if not pre["pass"]:
         for cl in out[1:]:
             cl["judged"] = False
     return out
+
+
+def mixed_claim(results: dict) -> dict:
+    """The student against the mixed-data baseline, per cell, with what each cost: the
+    baseline's stages against the specialists' (their SFT and GRPO rungs) and the
+    student's, FLOPs summed over seeds."""
+    vm = results["table"]["student_vs_mixed"]
+    flops = {}
+    for s in results["per_seed"]:
+        for name, cost in s["stages"].items():
+            kind = ("mixed" if name in ("mixed_sft", MIXED) else
+                    "specialists and student" if name.startswith(("sft_", "rl_", "plain_"))
+                    or name == "student" else None)
+            if kind:
+                flops[kind] = flops.get(kind, 0.0) + float(cost.get("flops") or 0.0)
+    mixed, ours = flops.get("mixed", 0.0), flops.get("specialists and student", 0.0)
+    return {"claim": f"the student beats the mixed-data baseline (SFT then GRPO of one model "
+                     f"on every domain's data, no specialists) on every cell beyond "
+                     f"{MERGE_K:g} se",
+            "pass": all(beats(p, 0.0, MERGE_K) for p in vm.values()),
+            "measured": rp.paired_list(vm) + f"; FLOPs: mixed {mixed:.2e}, specialists and "
+                        f"student {ours:.2e} (ratio {rp.ratio(mixed, ours):.2f})"}
 
 
 # -- tables and plots ------------------------------------------------------------------------
@@ -373,9 +439,11 @@ def write_markdown(path: str, results: dict) -> None:
     """results.md from a results.json dict (so the committed table can be regenerated)."""
     t, seeds, ev = results["table"], results["seeds"], results["eval"]
     plain = any("plain" in v for v in t["pass"].values())
+    mixed = "student_vs_mixed" in t
     header = ["cell", "start", "teacher", "teacher - start (se)", "student",
               "student - start (se)", "gain kept", "merge", "student - merge (se)",
-              *(["plain teacher"] if plain else []), "length T / S"]
+              *(["plain teacher"] if plain else []),
+              *(["mixed", "student - mixed (se)"] if mixed else []), "length T / S"]
     rows = []
     for cell, p in t["pass"].items():
         vs, vm = t["vs_start"][cell], t["student_vs_merge"][cell]
@@ -386,6 +454,8 @@ def write_markdown(path: str, results: dict) -> None:
                      f"{t['retention'][cell]:.1%}", f"{p['merge']:.3f}",
                      f"{vm['diff']:+.3f} ({vm['se']:.3f})",
                      *([f"{p['plain']:.3f}"] if plain else []),
+                     *([f"{p[MIXED]:.3f}", f"{t['student_vs_mixed'][cell]['diff']:+.3f} "
+                        f"({t['student_vs_mixed'][cell]['se']:.3f})"] if mixed else []),
                      f"{t['length'][cell]['teacher']:.0f} / {t['length'][cell]['student']:.0f}"])
     rew = [[cell, *[f"{r[m]:.3f}" for m in ("start", "teacher", "student", "merge")]]
            for cell, r in t["reward"].items()]
@@ -426,7 +496,9 @@ def plot(c: ml_collections.ConfigDict, workdir: str, results: dict) -> None:
                          "label": f"student (MOPD), in-run eval n={c.student.eval.n}"},
                         {"y": p["teacher"], "label": f"teacher (n={n} x seeds)", "color": "k"},
                         {"y": p["merge"], "label": "merge (validation-tuned)", "color": "r"},
-                        {"y": p["start"], "label": "start", "color": "gray"}]
+                        {"y": p["start"], "label": "start", "color": "gray"},
+                        *([{"y": p[MIXED], "label": "mixed-data baseline", "color": "g"}]
+                          if MIXED in p else [])]
     rp.plot_curves(os.path.join(workdir, "curves.png"), curves,
                    title=f"kimi_k3: student held-out pass rate per cell (seed {seed})",
                    ylabel="held-out pass rate")

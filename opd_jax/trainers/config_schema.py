@@ -198,6 +198,9 @@ SECTIONS["experiment"] = dict(
                              hint="kimi_k3: the student starts from the merge of this scale "
                                   "(one of merge_scales); None: from the start"),
     general_max_new=Int(64, lo=1), start=Str(""), val_n=Int(64, lo=1),
+    mixed_rl_steps=Int(0, lo=0, hint="kimi_k3: the mixed-data baseline's GRPO iterations on "
+                                     "every cell after its SFT on every domain; 0: no "
+                                     "mixed-data baseline"),
 )
 SECTIONS["sft"] = dict(_COMMON, data=Sub("data"))
 SECTIONS["policy"] = dict(_COMMON, tasks=Sub("tasks"), rollout=Sub("rollout"),

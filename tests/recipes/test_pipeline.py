@@ -72,7 +72,7 @@ def test_a_changed_finished_stage_is_refused(tmp_path):
     assert not (tmp_path / "first").exists()
 
 
-@pytest.mark.parametrize("recipe,n_stages", [("kimi_k3", 7), ("glm", 7), ("deepseek_v4", 10)])
+@pytest.mark.parametrize("recipe,n_stages", [("kimi_k3", 9), ("glm", 7), ("deepseek_v4", 10)])
 def test_smoke_plans(recipe, n_stages):
     c = load_config(os.path.join(ROOT, f"experiments/{recipe}/config.py:smoke"))
     stages = recipe_module(recipe).build(c, seed=3)

@@ -1,10 +1,12 @@
 """The glm, deepseek_v4 and kimi_k3 claims are functions of their results: synthetic per-problem
 rewards in which each claim holds, then the change that makes it fail."""
 import copy
+import os
 
 import numpy as np
 import pytest
 
+from opd_jax.config import load_config
 from opd_jax.recipes import recipe_module
 from opd_jax.recipes import report as rp
 
@@ -79,6 +81,7 @@ def test_deepseek_claims():
 
 
 N_KIMI = 128
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _passes(rate: float, n: int = N_KIMI) -> list[float]:
@@ -94,7 +97,7 @@ def _row(rate: float) -> dict:
 
 
 def _kimi_results(start=(0.05, 0.2, 0.4), gain=0.3, kept=0.95, merge_kept=0.3,
-                  other_loss=0.2, seeds=(0, 1)):
+                  other_loss=0.2, seeds=(0, 1), mixed_kept=None):
     """A kimi_k3 results dict (two domains x low/high/max) through the report's own
     `table`: start pass rates per effort, the teachers' gain, the share of it the student
     and the merge keep, and each specialist's loss on the other domain (at max)."""
@@ -104,14 +107,22 @@ def _kimi_results(start=(0.05, 0.2, 0.4), gain=0.3, kept=0.95, merge_kept=0.3,
     base = {f"{d}/{e}": start[i] for d in domains for i, e in enumerate(efforts)}
     per_seed = []
     for seed in seeds:
-        models = {m: {c: _row(base[c] + share * gain) for c in cells}
-                  for m, share in (("start", 0.0), ("student", kept), ("merge", merge_kept))}
+        shares = [("start", 0.0), ("student", kept), ("merge", merge_kept)]
+        if mixed_kept is not None:
+            shares.append(("mixed", mixed_kept))
+        models = {m: {c: _row(base[c] + share * gain) for c in cells} for m, share in shares}
+        cost = lambda kind, flops: {"kind": kind, "flops": flops, "wall_s": 1.0,
+                                    "optimizer_steps": 1, "rollouts": 0, "flops_parts": {}}
+        stages = ({"sft_general": cost("sft", 4.0), "rl_general_max": cost("grpo", 1.0),
+                   "student": cost("opd", 3.0), "merge_1": cost("merge", 0.0),
+                   "mixed_sft": cost("sft", 4.0), "mixed": cost("grpo", 2.0)}
+                  if mixed_kept is not None else {})
         per_seed.append({
             "seed": seed, "models": models, "plain": {},
             "teacher": {c: _row(base[c] + gain) for c in cells},
             "specialist": {d: {f"{o}/max": _row(base[f"{o}/max"] - other_loss)
                                for o in domains if o != d} for d in domains},
-            "merge_chosen": "merge_0.5", "stages": {}})
+            "merge_chosen": "merge_0.5", "stages": stages})
     res = {"recipe": "kimi_k3", "seeds": list(seeds), "top": "max", "domains": domains,
            "efforts": efforts, "per_seed": per_seed,
            "table": kimi.table(per_seed, cells, domains, efforts, "max")}
@@ -147,6 +158,43 @@ def test_kimi_claims_read_pass_rate_gains_and_the_precondition():
     # A start with no headroom fails the precondition too.
     _, full = _kimi_results(start=(0.7, 0.8, 0.9), gain=0.05)
     assert "no headroom" in kimi.claims(full)[0]["measured"]
+
+
+def test_kimi_mixed_data_baseline_claim_and_its_compute(tmp_path):
+    """With a mixed-data baseline in the results, one more claim: the student beats it on
+    every cell beyond 2 se, its FLOPs (mixed_sft + mixed) printed against the specialists'
+    and the student's (summed over seeds; merges and the shared start not counted)."""
+    kimi, res = _kimi_results(mixed_kept=0.6)
+    cl = kimi.claims(res)
+    assert len(cl) == 8 and "mixed-data baseline" in cl[-1]["claim"] and cl[-1]["pass"]
+    assert "mixed 1.20e+01, specialists and student 1.60e+01 (ratio 0.75)" in cl[-1]["measured"]
+    _, strong = _kimi_results(mixed_kept=1.2)
+    assert not kimi.claims(strong)[-1]["pass"]
+    assert len(kimi.claims(_kimi_results()[1])) == 7      # no baseline, no claim
+    path = tmp_path / "results.md"
+    kimi.write_markdown(str(path), res | {"claims": cl, "eval": {"n": N_KIMI, "difficulty": 3},
+                                          "provenance": {"command": "test", "commit": "x",
+                                                         "stages_wall_s": 1.0,
+                                                         "eval_wall_s": 1.0}})
+    md = path.read_text()
+    assert "| mixed | student - mixed (se) |" in md
+
+
+def test_kimi_mixed_data_baseline_stages():
+    """kimi_k3 full trains the baseline: SFT of the start on every domain's demos with the
+    specialists' summed steps, then GRPO on every cell from it; reduced has none."""
+    kimi = recipe_module("kimi_k3")
+    c = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:full"))
+    by = {s.name: s for s in kimi.build(c, 0)}
+    sft, rl = by["mixed_sft"], by["mixed"]
+    assert sft.kind == "sft" and sft.init_from is None and rl.init_from == "mixed_sft"
+    assert sft.config.train.steps == c.specialist_sft.train.steps * len(c.domains)
+    assert dict(sft.config.data.tasks.families) == dict(c.domains)
+    assert rl.kind == "grpo" and rl.config.train.steps == c.mixed_rl_steps
+    assert dict(rl.config.tasks.families) == dict(c.domains)
+    assert tuple(rl.config.tasks.efforts) == tuple(c.efforts)
+    reduced = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:reduced"))
+    assert not any(s.name.startswith("mixed") for s in kimi.build(reduced, 0))
 
 
 def test_beats_is_margin_and_standard_errors():
