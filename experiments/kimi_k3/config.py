@@ -56,6 +56,7 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     c.merge = ml_collections.ConfigDict(dict(method="task_arithmetic"))
     c.merge_scales = (0.5, 1.0)    # the report keeps the best on the validation draw
     c.val_n = 64                   # validation problems per cell (train split)
+    c.mixed_rl_steps = 0           # the mixed-data baseline's GRPO iterations (0: none)
     c.eval = base("eval.py:grid").eval
     c.eval.n = 128
     on_testbed(c, ("sft", "specialist_sft"), ("teacher", "student"))
