@@ -30,18 +30,18 @@ import shutil
 import sys
 import time
 
-import jax
 import ml_collections
 import numpy as np
-from flax import nnx
 
 from opd_jax import envs
+from opd_jax.checkpoint import step_dirs
 from opd_jax.config import load_config
 from opd_jax.models import ModelRef, build_tokenizer, save_pretrained
 from opd_jax.recipes import kimi_k3
 from opd_jax.recipes.kimi_k3 import MERGE_K
 from opd_jax.recipes import report as rp
 from opd_jax.recipes.pipeline import Stage, run_stage, stage_dir
+from opd_jax.teachers import merge_models
 from opd_jax.trainers import compute as compute_lib
 from opd_jax.trainers import config_schema
 
@@ -116,8 +116,6 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     # on the few tokens that decide a problem, at the preset's cost.
     "r_max_10": ("the preset with the log-ratio clipped at 10 nats (preset 5)",
                  {"objective": {"options": {"r_max": 10.0}}}),
-    "r_max_20": ("the preset with the log-ratio clipped at 20 nats (preset 5)",
-                 {"objective": {"options": {"r_max": 20.0}}}),
     "group_4": ("the preset with 4 samples per prompt (16 prompts x 4 = the same 64 rollouts "
                 "per iteration)", {"rollout": {"group_size": 4, "prompts_per_step": 16}}),
     "min_lr_0": ("the preset with the lr decayed by cosine to 0 (preset: to 0.1x)",
@@ -132,9 +130,6 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     # temperature makes likelier (their T = 1 / sampler ratio falls below its 0.5 bound).
     "temp_1.3": ("the preset with rollouts sampled at temperature 1.3, no mismatch "
                  "correction", {"rollout": {"sampling": {"temperature": 1.3}},
-                                "objective": {"options": {"correction": {"kind": None}}}}),
-    "temp_1.6": ("the preset with rollouts sampled at temperature 1.6, no mismatch "
-                 "correction", {"rollout": {"sampling": {"temperature": 1.6}},
                                 "objective": {"options": {"correction": {"kind": None}}}}),
     "no_correction": ("the preset without the mismatch correction (temp_1.3's control)",
                       {"objective": {"options": {"correction": {"kind": None}}}}),
@@ -218,23 +213,15 @@ def variant_stage(c: ml_collections.ConfigDict, seed: int, variant: str,
 def average_checkpoints(stage_folder: str, k: int, out: str) -> None:
     """Write the uniform average of the last `k` checkpoints of a finished stage as an HF
     folder `out` (written beside it, then renamed: a killed write leaves no half model)."""
-    ck = os.path.join(stage_folder, "checkpoints")
-    steps = sorted(int(s) for s in os.listdir(ck) if s.isdigit()) if os.path.isdir(ck) else []
-    if len(steps) < k:
-        raise ValueError(f"{stage_folder}: {len(steps)} checkpoints kept, {k} to average "
+    dirs = step_dirs(stage_folder)
+    if len(dirs) < k:
+        raise ValueError(f"{stage_folder}: {len(dirs)} checkpoints kept, {k} to average "
                          f"(expected train.keep_checkpoints >= {k})")
-    ref = ModelRef(stage_folder)
-    params = []
-    for step in steps[-k:]:
-        graphdef, p, rest = nnx.split(ModelRef(os.path.join(ck, str(step))).load(),
-                                      nnx.Param, ...)
-        params.append(p)
-    avg = jax.tree.map(lambda *xs: sum(xs) / len(xs), *params)
-    spec, fingerprint = ref.tokenizer_identity()
+    avg = merge_models([ModelRef(d).load() for d in dirs[-k:]], method="average")
+    spec, fingerprint = ModelRef(stage_folder).tokenizer_identity()
     tmp = out + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_pretrained(nnx.merge(graphdef, avg, rest), tmp,
-                    tokenizer={"spec": spec, "fingerprint": fingerprint})
+    save_pretrained(avg, tmp, tokenizer={"spec": spec, "fingerprint": fingerprint})
     os.replace(tmp, out)
 
 

@@ -248,18 +248,26 @@ def abstract_like(tree: Any) -> Any:
         tree)
 
 
-def latest_step_dir(path: str | os.PathLike) -> str:
-    """Resolve a run workdir, its ``checkpoints/`` folder, or a step folder to a step folder."""
+def step_dirs(path: str | os.PathLike) -> list[str]:
+    """The step folders of a run workdir or its ``checkpoints/`` folder, oldest first (a
+    step folder: itself)."""
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(os.path.join(path, "state")):
-        return path
+        return [path]
     ckdir = os.path.join(path, "checkpoints") if os.path.isdir(
         os.path.join(path, "checkpoints")) else path
     steps = sorted(int(s) for s in os.listdir(ckdir) if s.isdigit()) if os.path.isdir(ckdir) else []
-    if not steps:
-        raise FileNotFoundError(f"no Orbax checkpoint under {path!r} (expected a run workdir, "
-                                f"its checkpoints/ folder, or a step folder)")
-    return os.path.join(ckdir, str(steps[-1]))
+    return [os.path.join(ckdir, str(s)) for s in steps]
+
+
+def latest_step_dir(path: str | os.PathLike) -> str:
+    """Resolve a run workdir, its ``checkpoints/`` folder, or a step folder to a step folder."""
+    dirs = step_dirs(path)
+    if not dirs:
+        raise FileNotFoundError(f"no Orbax checkpoint under {os.path.abspath(os.fspath(path))!r} "
+                                f"(expected a run workdir, its checkpoints/ folder, or a step "
+                                f"folder)")
+    return dirs[-1]
 
 
 def read_step_meta(step_dir: str) -> dict:
