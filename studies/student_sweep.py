@@ -136,6 +136,17 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     "full_vocab_preset": ("full-vocabulary reverse KL at the preset's schedule and cost (a "
                           "row beside the Kimi student, never in its place)",
                           {"=objective": {"name": "deepseek_full_vocab", "options": {}}}),
+    # Round 4 (for deepseek_v4's student, the full-vocabulary loss at the preset's cost kept
+    # 87.1%, worst 76.9%): does the exact gradient go further with a larger lr or more steps?
+    "full_vocab_2e-4": ("full_vocab_preset at lr 2e-4 (decayed by cosine to 0.1x)",
+                        {"=objective": {"name": "deepseek_full_vocab", "options": {}},
+                         "optim": {"lr": 2e-4}}),
+    "full_vocab_3e-4": ("full_vocab_preset at lr 3e-4 (learning_check's lr)",
+                        {"=objective": {"name": "deepseek_full_vocab", "options": {}},
+                         "optim": {"lr": 3e-4}}),
+    "full_vocab_iters_120": ("full_vocab_preset for 120 iterations (480 optimizer steps)",
+                             {"=objective": {"name": "deepseek_full_vocab", "options": {}},
+                              "train": {"steps": 120}}),
     # Adam's second moment at b2 = 0.95 follows the sampled-token gradient's noise within
     # ~20 steps; a longer memory steadies the per-parameter step size.
     "b2_0.999": ("the preset with Adam b2 = 0.999 (preset 0.95)", {"optim": {"b2": 0.999}}),
