@@ -15,7 +15,8 @@ def _plt():
 
 
 def plot_curves(path: str, panels: Mapping[str, Sequence[dict]], *, title: str,
-                ylabel: str = "held-out reward") -> str:
+                ylabel: str = "held-out reward", xlabel: str = "iteration",
+                xscale: str = "linear") -> str:
     """One panel per cell; each line {"x", "y", "label"}; each hline {"y", "label"} dashed."""
     plt = _plt()
     n = len(panels)
@@ -29,7 +30,8 @@ def plot_curves(path: str, panels: Mapping[str, Sequence[dict]], *, title: str,
             else:
                 ax.axhline(ln["y"], ls="--", lw=1, color=ln.get("color", "k"), label=ln["label"])
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel("iteration")
+        ax.set_xlabel(xlabel)
+        ax.set_xscale(xscale)
         ax.set_ylabel(ylabel)
         ax.set_ylim(-0.05, 1.05)
         ax.grid(alpha=0.3)

@@ -19,7 +19,10 @@ Stages of one seed:
 4. ``student``: MOPD, the teacher routed per sample by (domain, effort), the seed's clipped
    sampled-token signal; from the start, or (``c.student_from_merge``: a scale) from that
    merge, which already holds part of every teacher (measured: the student sweep).
-5. The mixed-data baseline (``c.mixed_rl_steps > 0``): one model trained on the union of the
+5. ``sampled_student`` (optional, ``c.sampled_student``: deepseek_v4's baseline): a second
+   student from the same point with another objective (the sampled-token signal beside a
+   full-vocabulary student), compared with the student per cell, with both FLOP counts.
+6. The mixed-data baseline (``c.mixed_rl_steps > 0``): one model trained on the union of the
    specialists' data by their own recipe, with no specialists: ``mixed_sft`` (SFT of the
    start on every domain's demos, the specialists' summed steps) then ``mixed`` (GRPO with
    the teachers' settings on every cell, ``c.mixed_rl_steps`` iterations, chosen so its
@@ -39,10 +42,19 @@ standard errors count problems. Claims, each paired per problem and pooled over 
   0.9 and minimum >= 0.8 over cells;
 * the student beats the validation-tuned merge beyond 2 se on every cell;
 * with the mixed-data baseline: the student beats it beyond 2 se on every cell, its compute
-  and the specialists' plus the student's printed beside.
+  and the specialists' plus the student's printed beside;
+* with ``sampled_student``: the student beats it beyond 2 se on every cell at equal compute;
+* compute: on every cell the student first holds SPEED_SHARE of the teacher's gain (its
+  in-run held-out evaluations, mean over seeds) having spent <= 1 / SPEED_RATIO of the FLOPs
+  that cell's teacher spent on its path from the start (its specialist SFT and every GRPO
+  rung it descends from, each once); the student is charged its whole OPD compute so far.
+
+``deepseek_v4`` is this pipeline with a full-vocabulary student and the sampled-token one as
+``sampled_student`` (its config says so); the report names the recipe from ``c.recipe``.
 """
 from __future__ import annotations
 
+import json
 import os
 
 import ml_collections
@@ -59,6 +71,8 @@ EFFORT_GAP = 0.10                   # max - high and high - low, in pass rate
 RETENTION_MEAN, RETENTION_WORST = 0.9, 0.8
 MERGE_K = 2.0                       # the student beats the merge beyond MERGE_K se
 HEADROOM = 1.0 - GAIN               # the start's pass rate on a teacher cell stays below it
+SPEED_SHARE, SPEED_RATIO = 0.9, 5.0  # the student holds 90% of a gain within 1/5 of its compute
+SAMPLED = "sampled_student"          # the optional second student (module doc, 5)
 
 
 def teacher_name(domain: str, effort: str, plain: bool = False) -> str:
@@ -138,6 +152,10 @@ def build(c: ml_collections.ConfigDict, seed: int) -> list[Stage]:
         init = merge_name(from_merge)
     stages.append(Stage("student", "opd", stage_config(c.student, seed, domains, efforts),
                         init_from=init, teachers=teachers))
+    if "sampled_student" in c:
+        stages.append(Stage(SAMPLED, "opd", stage_config(c.sampled_student, seed, domains,
+                                                         efforts), init_from=init,
+                            teachers=teachers))
     if c.get("mixed_rl_steps", 0):
         stages += mixed_stages(c, seed, start)
     return stages
@@ -204,6 +222,17 @@ def specialist_start(c: ml_collections.ConfigDict, stages: list[Stage], seed: in
     return name
 
 
+def lineage(stages: list[Stage], name: str, start: str | None) -> list[str]:
+    """Stage `name` and every stage it descends from (``init_from``), down to the shared
+    `start` (excluded): what a teacher's training spent from the start."""
+    by = {s.name: s for s in stages}
+    out = []
+    while name is not None and name != start:
+        out.append(name)
+        name = by[name].init_from
+    return out
+
+
 def routed_teachers(stages: list[Stage]) -> dict[str, str]:
     """cell -> teacher stage, as the student saw them."""
     return dict(next(s for s in stages if s.name == "student").teachers)
@@ -262,8 +291,9 @@ def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dic
         val = merge_validation(c, sw, stages, seed, tokenizer)
         best = max(val, key=val.get)
         models["merge"] = evs(best, cells)
-        if any(s.name == MIXED for s in stages):
-            models[MIXED] = evs(MIXED, cells)
+        for extra in (MIXED, SAMPLED):
+            if any(s.name == extra for s in stages):
+                models[extra] = evs(extra, cells)
         teacher = {cell: evs(routed[cell], [(d, fam, e)])[cell]
                    for cell, (d, fam, e) in zip(names, cells)}
         plain = ({cell: evs(teacher_name(d, e, plain=True), [(d, fam, e)])[cell]
@@ -274,14 +304,22 @@ def collect(c: ml_collections.ConfigDict, workdir: str, seeds, tokenizer) -> dic
                        for d in domains}
         keep = ("pass_rate", "reward", "length", "passes", "rewards", "n")
         trim = lambda rows: {k: {f: r[f] for f in keep} for k, r in rows.items()}
-        per_seed.append({
+        students = [n for n in ("student", SAMPLED) if n in models]
+        extra = {"curves": {n: {cell: rp.curve(sw, n, f"heldout/{cell}/pass_rate")
+                                for cell in names} for n in students},
+                 "paths": {cell: lineage(stages, routed[cell], start) for cell in names}}
+        cache = os.path.join(sw, "student", "teacher_cache.json")
+        if os.path.isfile(cache):
+            with open(cache, encoding="utf-8") as f:
+                extra["teacher_cache"] = json.load(f)["stats"]
+        per_seed.append(extra | {
             "seed": seed, "eval_seed": es, "validation_seed": vs,
             "models": {k: trim(v) for k, v in models.items()}, "teacher": trim(teacher),
             "plain": trim(plain), "specialist": {d: trim(v) for d, v in specialists.items()},
             "merge_validation": val, "merge_chosen": best,
             "teachers": {cell: routed[cell] for cell in names},
             "stages": {s.name: rp.stage_cost(sw, s) for s in stages}})
-    return {"recipe": "kimi_k3", "seeds": list(seeds), "provenance": None,
+    return {"recipe": c.recipe, "seeds": list(seeds), "provenance": None,
             "eval": rp.eval_meta(ev) | {"per_seed_problems": True},
             "domains": domains, "efforts": list(efforts), "top": top,
             "table": table(per_seed, names, domains, efforts, top), "per_seed": per_seed}
@@ -303,10 +341,11 @@ def table(per_seed: list[dict], names: list[str], domains: dict, efforts, top: s
                "student": model("student", cell), "merge": model("merge", cell)}
         if per_seed[0]["plain"]:
             get["plain"] = lambda s, cell=cell: s["plain"][cell]
-        if MIXED in per_seed[0]["models"]:
-            get[MIXED] = model(MIXED, cell)
-            out.setdefault("student_vs_mixed", {})[cell] = rp.paired(
-                _pooled(per_seed, get["student"]), _pooled(per_seed, get[MIXED]))
+        for extra, key in ((MIXED, "student_vs_mixed"), (SAMPLED, "student_vs_sampled")):
+            if extra in per_seed[0]["models"]:
+                get[extra] = model(extra, cell)
+                out.setdefault(key, {})[cell] = rp.paired(
+                    _pooled(per_seed, get["student"]), _pooled(per_seed, get[extra]))
         out["pass"][cell] = {m: float(np.mean(_pooled(per_seed, g))) for m, g in get.items()}
         out["reward"][cell] = {m: float(np.mean(_pooled(per_seed, g, "rewards")))
                                for m, g in get.items()}
@@ -319,9 +358,11 @@ def table(per_seed: list[dict], names: list[str], domains: dict, efforts, top: s
                                                   _pooled(per_seed, get["merge"]))
         gain = out["vs_start"][cell]["teacher"]["diff"]
         # Retention of the gain, defined where the teacher beats the start.
-        for who, key in (("student", "retention"), ("merge", "merge_retention")):
-            out[key][cell] = (out["vs_start"][cell][who]["diff"] / gain if gain > 0
-                              else float("nan"))
+        for who, key in (("student", "retention"), ("merge", "merge_retention"),
+                         (SAMPLED, "sampled_retention")):
+            if who in get:
+                out.setdefault(key, {})[cell] = (out["vs_start"][cell][who]["diff"] / gain
+                                                 if gain > 0 else float("nan"))
     for d in domains:
         for o, ofam in domains.items():
             if o == d:
@@ -406,6 +447,10 @@ def claims(results: dict) -> list[dict]:
                 "measured": rp.paired_list(vm) + f"; chosen on validation: {', '.join(scales)}"})
     if "student_vs_mixed" in t:
         out.append(mixed_claim(results))
+    if "student_vs_sampled" in t:
+        out.append(sampled_claim(results))
+    if "curves" in results["per_seed"][0]:      # results from before 2026-12-07 lack curves
+        out.append(compute_claim(results))
     if not pre["pass"]:
         for cl in out[1:]:
             cl["judged"] = False
@@ -434,15 +479,79 @@ def mixed_claim(results: dict) -> dict:
                         f"student {ours:.2e} (ratio {rp.ratio(mixed, ours):.2f})"}
 
 
+def _mean_flops(results: dict, stage: str) -> float:
+    return float(np.mean([s["stages"][stage]["flops"] for s in results["per_seed"]]))
+
+
+def sampled_claim(results: dict) -> dict:
+    """The student against the sampled-token student from the same point (module doc, 5):
+    better on every cell beyond 2 se, with no more compute (FLOPs within 10%)."""
+    vs = results["table"]["student_vs_sampled"]
+    ours, theirs = _mean_flops(results, "student"), _mean_flops(results, SAMPLED)
+    return {"claim": f"the student beats the sampled-token student (same start, rollouts and "
+                     f"optimizer steps; FLOPs at most 1.1x) on every cell beyond {MERGE_K:g} se",
+            "pass": all(beats(p, 0.0, MERGE_K) for p in vs.values()) and ours <= 1.1 * theirs,
+            "measured": rp.paired_list(vs) + f"; FLOPs per seed: student {ours:.2e}, "
+                        f"sampled-token {theirs:.2e} (ratio {rp.ratio(ours, theirs):.2f})"}
+
+
+def speed_rows(results: dict) -> dict[str, dict]:
+    """Per cell: when the student first held SPEED_SHARE of the teacher's gain (its in-run
+    held-out pass rate, mean over seeds at the iterations every seed evaluated, against the
+    report's pooled start and teacher), the FLOPs it had spent by then (its FLOPs per
+    iteration x that iteration) and the FLOPs of the teacher's path from the start (module
+    doc), means over seeds."""
+    per_seed, t = results["per_seed"], results["table"]
+    runs = [s["stages"]["student"] for s in per_seed]
+    per_iter = float(np.mean([r["flops"] / r["iterations"] for r in runs]))
+    out = {}
+    for cell, p in t["pass"].items():
+        target = p["start"] + SPEED_SHARE * (p["teacher"] - p["start"])
+        curves = [dict(zip(*s["curves"]["student"][cell])) for s in per_seed]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        mean = [float(np.mean([c[x] for c in curves])) for x in steps]
+        hit = next((x for x, y in zip(steps, mean) if y >= target), None)
+        teacher = float(np.mean([sum(s["stages"][n]["flops"] for n in s["paths"][cell])
+                                 for s in per_seed]))
+        spent = None if hit is None else per_iter * hit
+        out[cell] = {"target": target, "iteration": hit, "iterations": runs[0]["iterations"],
+                     "best": max(mean) if mean else float("nan"),
+                     "student_flops": spent, "teacher_flops": teacher,
+                     "ratio": None if spent is None else spent / teacher}
+    return out
+
+
+def compute_claim(results: dict) -> dict:
+    """OPD's cheapness in compute (module doc): on every cell the student holds SPEED_SHARE
+    of the teacher's gain within 1 / SPEED_RATIO of the teacher's path FLOPs."""
+    rows = speed_rows(results)
+
+    def said(cell, r):
+        if r["iteration"] is None:
+            return (f"{cell} never in {r['iterations']} iterations (best {r['best']:.3f}, "
+                    f"needs {r['target']:.3f})")
+        return (f"{cell} at iteration {r['iteration']}: {r['student_flops']:.2e} / "
+                f"{r['teacher_flops']:.2e} = {r['ratio']:.2f}")
+    return {"claim": f"the student holds {SPEED_SHARE:.0%} of each teacher's gain having spent "
+                     f"<= 1/{SPEED_RATIO:g} of the FLOPs of that teacher's path from the start "
+                     f"(in-run held-out evaluations, mean over seeds)",
+            "pass": all(r["ratio"] is not None and r["ratio"] <= 1 / SPEED_RATIO
+                        for r in rows.values()),
+            "measured": "; ".join(said(cell, r) for cell, r in rows.items())}
+
+
 # -- tables and plots ------------------------------------------------------------------------
 def write_markdown(path: str, results: dict) -> None:
     """results.md from a results.json dict (so the committed table can be regenerated)."""
     t, seeds, ev = results["table"], results["seeds"], results["eval"]
     plain = any("plain" in v for v in t["pass"].values())
     mixed = "student_vs_mixed" in t
+    sampled = "student_vs_sampled" in t
     header = ["cell", "start", "teacher", "teacher - start (se)", "student",
               "student - start (se)", "gain kept", "merge", "student - merge (se)",
               *(["plain teacher"] if plain else []),
+              *(["sampled-token", "its gain kept", "student - sampled (se)"] if sampled
+                else []),
               *(["mixed", "student - mixed (se)"] if mixed else []), "length T / S"]
     rows = []
     for cell, p in t["pass"].items():
@@ -454,6 +563,9 @@ def write_markdown(path: str, results: dict) -> None:
                      f"{t['retention'][cell]:.1%}", f"{p['merge']:.3f}",
                      f"{vm['diff']:+.3f} ({vm['se']:.3f})",
                      *([f"{p['plain']:.3f}"] if plain else []),
+                     *([f"{p[SAMPLED]:.3f}", f"{t['sampled_retention'][cell]:.1%}",
+                        f"{t['student_vs_sampled'][cell]['diff']:+.3f} "
+                        f"({t['student_vs_sampled'][cell]['se']:.3f})"] if sampled else []),
                      *([f"{p[MIXED]:.3f}", f"{t['student_vs_mixed'][cell]['diff']:+.3f} "
                         f"({t['student_vs_mixed'][cell]['se']:.3f})"] if mixed else []),
                      f"{t['length'][cell]['teacher']:.0f} / {t['length'][cell]['student']:.0f}"])
@@ -462,7 +574,13 @@ def write_markdown(path: str, results: dict) -> None:
     costs = {name: [s["stages"][name] for s in results["per_seed"]]
              for name in results["per_seed"][0]["stages"]}
     n_problems = ev["n"] * len(seeds)
-    md = [f"# kimi_k3 results ({len(seeds)} seed(s): {list(seeds)})", "",
+    cache = results["per_seed"][0].get("teacher_cache")
+    cache_line = ([f"The student's teacher cache (seed {seeds[0]}): {cache['loads']} loads, "
+                   f"{cache['evictions']} evictions, {cache['hits']} hits for "
+                   f"{len(t['pass'])} teachers.", ""] if cache else [])
+    speed = (["## Compute to 90% of each teacher's gain", "", speed_table(results), ""]
+             if "curves" in results["per_seed"][0] else [])
+    md = [f"# {results['recipe']} results ({len(seeds)} seed(s): {list(seeds)})", "",
           rp.provenance_line(results["provenance"]), "",
           f"Pass rate (verifier correctness) on held-out problems (eval split, greedy, "
           f"difficulty {ev['difficulty']}), {ev['n']} per cell and seed, each seed its own "
@@ -470,9 +588,9 @@ def write_markdown(path: str, results: dict) -> None:
           f"problems. Gain kept = (student - start) / (teacher - start). The merge is task "
           f"arithmetic of the cell teachers at the scale with the best validation pass rate "
           f"(train-split problems).", "", rp.markdown_table(header, rows), "",
-          "## Claims", ""]
+          *cache_line, "## Claims", ""]
     md += rp.claim_lines(results["claims"])
-    md += ["", "## Reward (the training signal, with the length penalty; no claim reads it)",
+    md += ["", *speed, "## Reward (the training signal, with the length penalty; no claim reads it)",
            "", rp.markdown_table(["cell", "start", "teacher", "student", "merge"], rew), "",
            "## Compute per stage (mean over seeds)", "", rp.cost_table(costs), "",
            "FLOPs: 2N per token through a forward pass, 2N_T per teacher-scored token, 6N "
@@ -480,6 +598,22 @@ def write_markdown(path: str, results: dict) -> None:
            "![pass rate](curves.png)", "", "![gain kept](retention.png)", ""]
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(md))
+
+
+def speed_table(results: dict) -> str:
+    """`speed_rows` as a markdown table."""
+    rows = [[cell, f"{r['target']:.3f}", f"{r['best']:.3f}",
+             "never" if r["iteration"] is None else f"{r['iteration']} of {r['iterations']}",
+             "-" if r["student_flops"] is None else f"{r['student_flops']:.2e}",
+             f"{r['teacher_flops']:.2e}", "-" if r["ratio"] is None else f"{r['ratio']:.2f}"]
+            for cell, r in speed_rows(results).items()]
+    return "\n".join([
+        rp.markdown_table(["cell", "90% of the gain", "best in-run (mean over seeds)",
+                           "first iteration there", "student FLOPs by then",
+                           "teacher's path FLOPs", "ratio (claim: <= 0.2)"], rows), "",
+        "The student's in-run held-out evaluations (its own problem draw, "
+        "`student.eval.n` per cell and seed) against the pooled start and teacher above; the "
+        "teacher's path is its specialist SFT and every GRPO rung it descends from."])
 
 
 def plot(c: ml_collections.ConfigDict, workdir: str, results: dict) -> None:
@@ -492,19 +626,25 @@ def plot(c: ml_collections.ConfigDict, workdir: str, results: dict) -> None:
     for cell in names:
         xs, ys = rp.curve(sw, "student", f"heldout/{cell}/pass_rate")
         p = t["pass"][cell]
+        sampled = ([{"x": sx, "y": sy, "label": "sampled-token student"}
+                    for sx, sy in [rp.curve(sw, SAMPLED, f"heldout/{cell}/pass_rate")]]
+                   if SAMPLED in p else [])
         curves[cell] = [{"x": xs, "y": ys,
-                         "label": f"student (MOPD), in-run eval n={c.student.eval.n}"},
+                         "label": f"student ({c.student.objective.name}), in-run eval "
+                                  f"n={c.student.eval.n}"}, *sampled,
                         {"y": p["teacher"], "label": f"teacher (n={n} x seeds)", "color": "k"},
                         {"y": p["merge"], "label": "merge (validation-tuned)", "color": "r"},
                         {"y": p["start"], "label": "start", "color": "gray"},
                         *([{"y": p[MIXED], "label": "mixed-data baseline", "color": "g"}]
                           if MIXED in p else [])]
     rp.plot_curves(os.path.join(workdir, "curves.png"), curves,
-                   title=f"kimi_k3: student held-out pass rate per cell (seed {seed})",
+                   title=f"{c.recipe}: student held-out pass rate per cell (seed {seed})",
                    ylabel="held-out pass rate")
     rp.plot_bars(os.path.join(workdir, "retention.png"), names, {
         "student": [t["retention"][k] for k in names],
-        "merge": [t["merge_retention"][k] for k in names]},
-        title="kimi_k3: share of the teacher's gain over the start kept",
+        "merge": [t["merge_retention"][k] for k in names],
+        **({"sampled-token student": [t["sampled_retention"][k] for k in names]}
+           if "sampled_retention" in t else {})},
+        title=f"{c.recipe}: share of the teacher's gain over the start kept",
         ylabel="(model - start) / (teacher - start)", hline=1.0)
 

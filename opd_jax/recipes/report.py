@@ -152,6 +152,7 @@ def stage_cost(workdir: str, stage: Stage) -> dict:
     flops = rec["flops"] if rec else {"total": 0.0}
     return {"kind": stage.kind, "wall_s": float(done["wall_s"]),
             "optimizer_steps": int(done["optimizer_steps"]),
+            "iterations": int(done.get("iterations", done["optimizer_steps"])),
             "rollouts": int(rec["tokens"].get("rollouts", 0)) if rec else 0,
             "flops": float(flops["total"]), "flops_parts": flops}
 

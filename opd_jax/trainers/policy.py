@@ -27,7 +27,10 @@ def policy_step(state: TrainState, batch: dict, teachers: tuple = (), *, graphde
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics) | {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    # update_norm: the length of this step in parameter space (summed over steps: the path
+    # length the speed study sets against the distance travelled)
+    metrics = dict(metrics) | {"loss": loss, "grad_norm": optax.global_norm(grads),
+                               "update_norm": optax.global_norm(updates)}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -53,5 +53,5 @@ def sft_step(state: TrainState, batch: dict, *, graphdef: nnx.GraphDef,
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
-               "tokens": n_total}
+               "update_norm": optax.global_norm(updates), "tokens": n_total}
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics

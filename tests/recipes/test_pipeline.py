@@ -105,11 +105,11 @@ def test_presets_start_from_the_base_on_the_testbed(recipe, preset):
             assert (s.init_from is None) == (s.name in ("sft",)), s.name
         elif s.init_from is None:
             assert s.config.model.init_from == c.start, s.name
-    # glm and deepseek_v4's research presets train and evaluate at 2 (their claims are
-    # reward ratios; their config.py says why); kimi_k3 and the smoke presets at the
-    # testbed's evaluation difficulty (kimi_k3 reads pass rate, where the dosed base has
+    # glm's research presets train and evaluate at 2 (its claims are reward ratios; its
+    # config.py says why); kimi_k3, deepseek_v4 (kimi_k3's pipeline) and the smoke presets at
+    # the testbed's evaluation difficulty (they read pass rate, where the dosed base has
     # headroom there).
-    research = preset in ("reduced", "full") and recipe != "kimi_k3"
+    research = preset in ("reduced", "full") and recipe == "glm"
     expected = {2} if research else {EVAL_DIFFICULTY[d] for d in c.domains}
     assert expected == {c.eval.difficulty}
 
@@ -146,15 +146,22 @@ def test_reduced_and_full_plans():
     c.student_from_merge = 2.0
     with pytest.raises(ValueError, match="student_from_merge=2.0: expected one of merge_scales"):
         k.build(c, 0)
+    # deepseek_v4 is kimi_k3's plan with a full-vocabulary student and the sampled-token one
+    # beside it: the same specialist stages (so a kimi_k3 run's can be reused), both students
+    # from the same merge, every teacher routed per cell through a cache smaller than the bank.
     d = load_config(os.path.join(ROOT, "experiments/deepseek_v4/config.py:reduced"))
     st = {s.name: s for s in recipe_module("deepseek_v4").build(d, 0)}
-    assert len([n for n in st if n.startswith("spec_")]) >= 4
-    d.specialist_sft.train.steps = 60
-    st2 = {s.name: s for s in recipe_module("deepseek_v4").build(d, 0)}
-    assert st2["spec_agent"].init_from == "sft_agent" and st2["sft_agent"].init_from == "sft"
-    assert st["student"].config.teachers.max_loaded < 4
-    assert set(st["student"].config.tasks.cells) == {"general/low", "general/max",
-                                                     "agent/high", "coding/high"}
+    kimi = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:reduced"))
+    same = {s.name: s for s in k.build(kimi, 0)}
+    assert list(st) == [*same, "sampled_student"]
+    assert all(stage_identity(st[n]) == stage_identity(same[n]) for n in same if n != "student")
+    assert st["student"].config.objective.name == "deepseek_full_vocab"
+    assert st["sampled_student"].config.objective == same["student"].config.objective
+    for name in ("student", "sampled_student"):
+        assert st[name].init_from == same["student"].init_from
+        assert 0 < st[name].config.teachers.max_loaded < len(st[name].teachers) == 6
+        assert st[name].config.rollout == same["student"].config.rollout
+        assert st[name].config.train == same["student"].config.train
     g = load_config(os.path.join(ROOT, "experiments/glm/config.py:reduced"))
     gs = {s.name: s for s in recipe_module("glm").build(g, 0)}
     # Each stage: SFT on its domains, then RL, continuing the line.

@@ -1,4 +1,4 @@
-"""The glm, deepseek_v4 and kimi_k3 claims are functions of their results: synthetic per-problem
+"""The glm, kimi_k3 and deepseek_v4 (kimi_k3's report) claims are functions of their results: synthetic per-problem
 rewards in which each claim holds, then the change that makes it fail."""
 import copy
 import os
@@ -56,30 +56,6 @@ def test_glm_claims_follow_the_stage_line():
     assert [c["pass"] for c in cl[1:3]] == [False, False], cl
 
 
-def _ds(levels: dict) -> dict:
-    """levels: model -> cell -> reward."""
-    models = ("sft", "teacher", "student", "sampled_student", "merge")
-    return {"cells": {n: {"specialist": n} | {m: [_r(levels[m][n], k) for k in (0, 1)]
-                                               for m in models}
-                      for n in ("general/low", "agent/high")}}
-
-
-def test_deepseek_claims():
-    ds = recipe_module("deepseek_v4")
-    good = {"sft": {"general/low": 0.2, "agent/high": 0.3},
-            "teacher": {"general/low": 0.8, "agent/high": 0.9},
-            "student": {"general/low": 0.8, "agent/high": 0.875},
-            "sampled_student": {"general/low": 0.4, "agent/high": 0.5},
-            "merge": {"general/low": 0.5, "agent/high": 0.5}}
-    cl = ds.claims(_ds(good))
-    assert [c["pass"] for c in cl] == [True, True, True, True], cl
-    bad = copy.deepcopy(good)
-    bad["student"]["agent/high"] = 0.5       # 56% of the teacher, level with the merge
-    bad["teacher"]["general/low"] = 0.2      # a specialist no better than SFT
-    cl = ds.claims(_ds(bad))
-    assert [c["pass"] for c in cl] == [False, False, False, False], cl
-
-
 N_KIMI = 128
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,10 +73,15 @@ def _row(rate: float) -> dict:
 
 
 def _kimi_results(start=(0.05, 0.2, 0.4), gain=0.3, kept=0.95, merge_kept=0.3,
-                  other_loss=0.2, seeds=(0, 1), mixed_kept=None):
+                  other_loss=0.2, seeds=(0, 1), mixed_kept=None, sampled_kept=None,
+                  reached_at="absent"):
     """A kimi_k3 results dict (two domains x low/high/max) through the report's own
     `table`: start pass rates per effort, the teachers' gain, the share of it the student
-    and the merge keep, and each specialist's loss on the other domain (at max)."""
+    and the merge keep, and each specialist's loss on the other domain (at max).
+    sampled_kept: a sampled-token student keeping that share; reached_at: the student's
+    in-run curves (iterations 10, 20, 30 of 30) first reach 95% of every gain at that
+    iteration (None: never; "absent": results without curves, as before 2026-12-07), each
+    teacher's path costing 5.5 FLOPs, the student 3 in 30 iterations."""
     kimi = recipe_module("kimi_k3")
     domains, efforts = {"general": "chain", "coding": "code_trace"}, ["low", "high", "max"]
     cells = [f"{d}/{e}" for d in domains for e in efforts]
@@ -110,14 +91,26 @@ def _kimi_results(start=(0.05, 0.2, 0.4), gain=0.3, kept=0.95, merge_kept=0.3,
         shares = [("start", 0.0), ("student", kept), ("merge", merge_kept)]
         if mixed_kept is not None:
             shares.append(("mixed", mixed_kept))
+        if sampled_kept is not None:
+            shares.append(("sampled_student", sampled_kept))
         models = {m: {c: _row(base[c] + share * gain) for c in cells} for m, share in shares}
-        cost = lambda kind, flops: {"kind": kind, "flops": flops, "wall_s": 1.0,
-                                    "optimizer_steps": 1, "rollouts": 0, "flops_parts": {}}
-        stages = ({"sft_general": cost("sft", 4.0), "rl_general_max": cost("grpo", 1.0),
-                   "student": cost("opd", 3.0), "merge_1": cost("merge", 0.0),
-                   "mixed_sft": cost("sft", 4.0), "mixed": cost("grpo", 2.0)}
-                  if mixed_kept is not None else {})
-        per_seed.append({
+        cost = lambda kind, flops, it=1: {"kind": kind, "flops": flops, "wall_s": 1.0,
+                                          "optimizer_steps": it, "iterations": it,
+                                          "rollouts": 0, "flops_parts": {}}
+        stages = {"sft_general": cost("sft", 4.5), "rl_general_max": cost("grpo", 1.0),
+                  "student": cost("opd", 3.0, 30), "merge_1": cost("merge", 0.0)}
+        if mixed_kept is not None:
+            stages |= {"mixed_sft": cost("sft", 4.0), "mixed": cost("grpo", 2.0)}
+        if sampled_kept is not None:
+            stages["sampled_student"] = cost("opd", 3.0, 30)
+        extra = {}
+        if reached_at != "absent":
+            its = [10, 20, 30]
+            extra = {"paths": {c: ["rl_general_max", "sft_general"] for c in cells},
+                     "curves": {"student": {c: [its, [base[c] + gain * (
+                         0.95 if reached_at is not None and i >= reached_at else 0.5)
+                         for i in its]] for c in cells}}}
+        per_seed.append(extra | {
             "seed": seed, "models": models, "plain": {},
             "teacher": {c: _row(base[c] + gain) for c in cells},
             "specialist": {d: {f"{o}/max": _row(base[f"{o}/max"] - other_loss)
@@ -167,7 +160,7 @@ def test_kimi_mixed_data_baseline_claim_and_its_compute(tmp_path):
     kimi, res = _kimi_results(mixed_kept=0.6)
     cl = kimi.claims(res)
     assert len(cl) == 8 and "mixed-data baseline" in cl[-1]["claim"] and cl[-1]["pass"]
-    assert "mixed 1.20e+01, specialists and student 1.60e+01 (ratio 0.75)" in cl[-1]["measured"]
+    assert "mixed 1.20e+01, specialists and student 1.70e+01 (ratio 0.71)" in cl[-1]["measured"]
     _, strong = _kimi_results(mixed_kept=1.2)
     assert not kimi.claims(strong)[-1]["pass"]
     assert len(kimi.claims(_kimi_results()[1])) == 7      # no baseline, no claim
@@ -204,3 +197,53 @@ def test_beats_is_margin_and_standard_errors():
     assert not kimi.beats({"diff": 0.14, "se": 0.01}, 0.15, 3.0)    # under the margin
 
 
+
+
+def test_sampled_student_claim_reads_both_students_and_their_flops(tmp_path):
+    """deepseek_v4's report is kimi_k3's; with a sampled-token student beside the student,
+    one more claim: the student beats it on every cell beyond 2 se at no more compute."""
+    ds = recipe_module("deepseek_v4")
+    assert ds.claims is recipe_module("kimi_k3").claims
+    _, res = _kimi_results(sampled_kept=0.6)
+    cl = ds.claims(res)
+    assert len(cl) == 8 and "sampled-token student" in cl[-1]["claim"] and cl[-1]["pass"]
+    assert "student 3.00e+00, sampled-token 3.00e+00 (ratio 1.00)" in cl[-1]["measured"]
+    assert res["table"]["sampled_retention"]["coding/low"] == pytest.approx(0.6, abs=0.02)
+    _, level = _kimi_results(sampled_kept=0.95)            # no better than the sampled one
+    assert not ds.claims(level)[-1]["pass"]
+    _, costly = _kimi_results(sampled_kept=0.6)            # better, with 2x its compute
+    for s in costly["per_seed"]:
+        s["stages"]["student"]["flops"] = 6.0
+    assert not ds.claims(costly)[-1]["pass"]
+    path = tmp_path / "results.md"
+    ds.write_markdown(str(path), res | {"recipe": "deepseek_v4", "claims": cl,
+                                        "eval": {"n": N_KIMI, "difficulty": 3},
+                                        "provenance": {"command": "test", "commit": "x",
+                                                       "stages_wall_s": 1.0,
+                                                       "eval_wall_s": 1.0}})
+    md = path.read_text()
+    assert md.startswith("# deepseek_v4 results")
+    assert "| sampled-token | its gain kept | student - sampled (se) |" in md
+
+
+def test_compute_claim_charges_the_teacher_path_and_the_student_until_90_percent(tmp_path):
+    """The student first holding 90% of every gain at iteration 10 of 30 has spent 1.0 of
+    its 3.0 FLOPs, against a teacher path (specialist SFT 4.5 + GRPO 1.0) of 5.5: 0.18 <=
+    1/5, PASS; at iteration 20 (0.36) or never, FAIL, with the numbers."""
+    kimi, res = _kimi_results(reached_at=10)
+    cl = kimi.claims(res)
+    assert len(cl) == 8 and "1/5 of the FLOPs" in cl[-1]["claim"] and cl[-1]["pass"], cl[-1]
+    assert "coding/low at iteration 10: 1.00e+00 / 5.50e+00 = 0.18" in cl[-1]["measured"]
+    rows = kimi.speed_rows(res)
+    assert rows["general/max"]["ratio"] == pytest.approx(1.0 / 5.5)
+    _, slow = _kimi_results(reached_at=20)
+    assert not kimi.claims(slow)[-1]["pass"]
+    _, never = _kimi_results(reached_at=None)
+    cl = kimi.claims(never)
+    assert not cl[-1]["pass"] and "coding/low never in 30 iterations" in cl[-1]["measured"]
+    path = tmp_path / "results.md"
+    kimi.write_markdown(str(path), res | {"claims": cl, "eval": {"n": N_KIMI, "difficulty": 3},
+                                          "provenance": {"command": "test", "commit": "x",
+                                                         "stages_wall_s": 1.0,
+                                                         "eval_wall_s": 1.0}})
+    assert "## Compute to 90% of each teacher's gain" in path.read_text()

@@ -18,7 +18,8 @@ from opd_jax.trainers.metrics import read_metrics
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TABLE_HEAD = {"kimi_k3": "| cell | start | teacher | teacher - start (se) | student |",
               "glm": "| domain | sft | reasoning_rl | general_rl | student | merge |",
-              "deepseek_v4": "| cell | specialist | SFT | teacher | full-vocab OPD |"}
+              # kimi_k3's report, with the sampled-token student's columns
+              "deepseek_v4": "| sampled-token | its gain kept | student - sampled (se) |"}
 
 
 @pytest.mark.parametrize("recipe", [
@@ -48,6 +49,11 @@ def test_recipe_smoke(tmp_path, recipe, capsys):
         judged = [m for m in read_metrics(str(sw / "general_rl")) if "reward/judge_mean" in m]
         assert judged and all(0.0 <= m["reward/judge_mean"] <= 1.0 for m in judged)
         assert not any("reward/judge_mean" in m for m in read_metrics(str(sw / "reasoning_rl")))
+    if recipe == "deepseek_v4":   # the full-vocabulary student, its teachers through a cache
+        cache = json.load(open(sw / "student" / "teacher_cache.json"))["stats"]
+        assert cache["loads"] > 0 and cache["evictions"] > 0    # 1 loaded of 2 in the bank
+        assert f"{cache['loads']} loads, {cache['evictions']} evictions" in md
+        assert "the student beats the sampled-token student" in md
     # the table is a function of results.json alone
     out = tmp_path / "again.md"
     recipe_module(recipe).write_markdown(str(out), json.load(open(tmp_path / "results.json")))

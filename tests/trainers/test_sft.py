@@ -164,3 +164,21 @@ def test_sigkill_then_resume_is_bitwise(tmp_path):
     a, b = _final_params(full, steps), _final_params(killed, steps)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_update_norm_is_the_length_of_the_step():
+    """A step's ``update_norm`` (summed over steps: the path length the speed study sets
+    against the distance travelled) is ||theta_1 - theta_0||. fp32 params: the step is applied
+    in fp32, so the difference carries rounding of |theta| ~ 1 against a ~1e-3 step: 1e-4."""
+    from flax import nnx   # lazy: this test alone reads the initial params
+    cfg = _cfg("--config.optim.warmup_steps=0")
+    mesh = sh.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    start = builders.build_model(cfg.model, mesh, sh.DEFAULT_RULES, seed=0)
+    before = jax.tree.leaves(jax.device_get(nnx.state(start, nnx.Param)))
+    params, metrics = _one_step(cfg, mesh)
+    after = jax.tree.leaves(params)
+    assert len(before) == len(after)
+    dist = np.sqrt(sum(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)
+                       for a, b in zip(after, before)))
+    assert dist > 0
+    np.testing.assert_allclose(float(metrics["update_norm"]), dist, rtol=1e-4)
