@@ -21,39 +21,45 @@ def _r(p, k=0):
 
 
 def _glm(levels: dict) -> dict:
-    """levels: stage -> domain -> reward (both seeds, both modes alike)."""
-    stages = ["sft", "reasoning_rl", "agentic_rl", "student", "merge"]
-    cells = {f"{d}/{m}": {s: [_r(levels[s][d], k) for k in (0, 1)] for s in stages}
-             for d in ("general", "agent") for m in ("think_on", "think_off")}
+    """levels: stage -> domain -> pass rate (both seeds, both modes alike; 128 problems)."""
+    stages = ["start", "reasoning_rl", "general_rl", "student", "merge"]
+    row = lambda p: {"pass_rate": p, "passes": _passes(p), "reward": p, "rewards": _passes(p)}
+    cells = {f"{d}/{m}": {s: [row(levels[s][d]) for _ in (0, 1)] for s in stages}
+             for d in ("general", "coding") for m in ("think_on", "think_off")}
     return {"recipe": "glm", "seeds": [0, 1], "stages": stages,
-            "stage_domains": {"reasoning_rl": ["general"], "agentic_rl": ["agent"]},
-            "stage_teachers": {"general": "reasoning_rl", "agent": "agentic_rl"},
-            "modes": {"general": ["think_on", "think_off"], "agent": ["think_on", "think_off"]},
+            "stage_domains": {"reasoning_rl": ["general"], "general_rl": ["coding"]},
+            "stage_teachers": {"general": "reasoning_rl", "coding": "general_rl"},
+            "modes": {"general": ["think_on", "think_off"], "coding": ["think_on", "think_off"]},
             "cells": cells}
 
 
-def test_glm_claims_follow_the_stage_line():
+def test_glm_claims_read_pass_rate_gains_losses_and_recovery():
     glm = recipe_module("glm")
-    good = {"sft": {"general": 0.3, "agent": 0.3},
-            "reasoning_rl": {"general": 0.8, "agent": 0.1},
-            "agentic_rl": {"general": 0.2, "agent": 0.9},
-            "student": {"general": 0.8, "agent": 0.9},
-            "merge": {"general": 0.5, "agent": 0.5}}
-    passed = [c["pass"] for c in glm.claims(_glm(good))]
-    assert passed == [True, True, True, True], glm.claims(_glm(good))
-    bad = copy.deepcopy(good)
-    bad["student"]["general"] = 0.5         # recovers half of 0.6 forgotten
-    bad["agentic_rl"]["agent"] = 0.1        # the agent stage learns nothing
-    cl = glm.claims(_glm(bad))
-    assert [c["pass"] for c in cl] == [False, True, False, True], cl
-    assert "50%" in cl[2]["measured"]
-    worse = copy.deepcopy(good)
-    worse["student"]["agent"] = 0.8         # 89% of the last stage's own domain
-    assert [c["pass"] for c in glm.claims(_glm(worse))] == [True, True, True, False]
+    good = {"start": {"general": 0.3, "coding": 0.3},
+            "reasoning_rl": {"general": 0.6, "coding": 0.25},     # +0.30 on its domain
+            "general_rl": {"general": 0.4, "coding": 0.6},        # +0.35; general loses 0.20
+            "student": {"general": 0.59, "coding": 0.6},          # 96% recovered, 100% kept
+            "merge": {"general": 0.45, "coding": 0.45}}
+    cl = glm.claims(_glm(good))
+    assert [c["pass"] for c in cl] == [True, True, True, True], cl
+    assert "general: 96%" in cl[2]["measured"] and "coding: 100.0%" in cl[3]["measured"]
+    small = copy.deepcopy(good)
+    small["reasoning_rl"]["general"] = 0.42          # +0.12 < 0.15: the stage learns too little
+    small["general_rl"]["general"] = 0.35            # (and so the loss is 0.07 < 0.10)
+    small["student"]["general"] = 0.42
+    cl = glm.claims(_glm(small))
+    assert [c["pass"] for c in cl] == [False, False, True, True], cl
+    half = copy.deepcopy(good)
+    half["student"]["general"] = 0.5                 # recovers half of the 0.20 lost
+    half["student"]["coding"] = 0.58                 # keeps 93% of the 0.30 gain
+    cl = glm.claims(_glm(half))
+    assert [c["pass"] for c in cl] == [True, True, False, False], cl
+    assert "general: 50%" in cl[2]["measured"]
     none = copy.deepcopy(good)
-    none["agentic_rl"]["general"] = 0.8     # nothing forgotten: recovery cannot pass
+    none["general_rl"]["general"] = 0.6              # nothing forgotten: nothing to recover
     cl = glm.claims(_glm(none))
     assert [c["pass"] for c in cl[1:3]] == [False, False], cl
+    assert "nothing to recover" in cl[2]["measured"]
 
 
 N_KIMI = 128

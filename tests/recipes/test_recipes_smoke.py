@@ -17,7 +17,7 @@ from opd_jax.trainers.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TABLE_HEAD = {"kimi_k3": "| cell | start | teacher | teacher - start (se) | student |",
-              "glm": "| domain | sft | reasoning_rl | general_rl | student | merge |",
+              "glm": "| domain | start | reasoning_rl | general_rl | student | merge |",
               # kimi_k3's report, with the sampled-token student's columns
               "deepseek_v4": "| sampled-token | its gain kept | student - sampled (se) |"}
 
