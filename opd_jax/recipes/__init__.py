@@ -91,7 +91,7 @@ def policy_overrides(*, steps: int, lr: float, prompts: int, difficulty: int = 1
 BASE = "builtin:base"
 
 
-def on_testbed(c, sft_sections, policy_sections, difficulty: int | None = None) -> None:
+def on_testbed(c, sft_sections, policy_sections) -> None:
     """Put a recipe config on the testbed (docs/testbed.md), in place: the start
     (``c.start``) is the shipped base, every stage that starts from no other stage starts
     from it, every stage trains on its domains' train split
@@ -100,8 +100,6 @@ def on_testbed(c, sft_sections, policy_sections, difficulty: int | None = None) 
     domain to its testbed family.
 
     sft_sections / policy_sections: names of the config's SFT and GRPO/OPD sections.
-    difficulty: train and evaluate at this difficulty instead of the domains' common
-    evaluation difficulty (a recipe whose claims need it says why).
     """
     bad = {d: f for d, f in dict(c.domains).items() if TESTBED.get(d) != f}
     if bad:
@@ -110,9 +108,7 @@ def on_testbed(c, sft_sections, policy_sections, difficulty: int | None = None) 
     if len(levels) != 1:
         raise ValueError(f"domains {sorted(c.domains)} have evaluation difficulties "
                          f"{EVAL_DIFFICULTY}: expected one difficulty for the recipe")
-    difficulty = levels.pop() if difficulty is None else int(difficulty)
-    if difficulty not in range(1, 6):
-        raise ValueError(f"difficulty={difficulty}: expected 1..5 (the testbed families' levels)")
+    difficulty = levels.pop()
     c.start = BASE
     for name in (*sft_sections, *policy_sections):   # a stage that starts from no stage
         c[name].model.init_from = BASE

@@ -126,6 +126,11 @@ def test_reduced_and_full_plans():
     assert by["rl_coding_high"].init_from == "rl_coding_max"
     assert by["rl_coding_low"].init_from == "rl_coding_high"
     assert by["plain_coding_low"].init_from == "sft_coding"
+    # A teacher's path from the start, which the compute claim charges it: its rung, every
+    # rung above it and its specialist SFT, each once; a plain teacher only its own.
+    assert k.lineage(stages, "rl_coding_low", None) == ["rl_coding_low", "rl_coding_high",
+                                                       "rl_coding_max", "sft_coding"]
+    assert k.lineage(stages, "plain_coding_low", None) == ["plain_coding_low", "sft_coding"]
     assert len([n for n in names if n.startswith(("rl_", "plain_"))]) == 18
     assert by["student"].teachers["agent/low"] == "rl_agent_low"
     # The student starts from the merge of scale c.student_from_merge, planned before it.
