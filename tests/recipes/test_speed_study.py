@@ -122,3 +122,17 @@ def test_the_study_runs_resumes_and_reports(tmp_path, monkeypatch):
     again = json.load(open(os.path.join(wd, "speed_study", "results.json")))
     assert os.path.getmtime(os.path.join(wd, "seed0", "kimi_mopd_0.0001", "done.json")) == before
     assert again["claims"] == res["claims"] and again["per_seed"] == res["per_seed"]
+
+
+def test_committed_results_are_regenerated_from_their_json(tmp_path):
+    """experiments/speed_study/results: the table and the claims are the report code's
+    function of the committed results.json alone."""
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "experiments", "speed_study", "results")
+    with open(os.path.join(folder, "results.json"), encoding="utf-8") as f:
+        res = json.load(f)
+    assert ss.claims(res) == res["claims"]
+    ss.write_markdown(str(tmp_path / "results.md"), res)
+    with open(os.path.join(folder, "results.md"), encoding="utf-8") as f:
+        assert (tmp_path / "results.md").read_text() == f.read()
+    assert res["provenance"]["commit"] != "unknown" and res["seeds"]
