@@ -18,13 +18,18 @@ thinking and the judge, 3 seeds), ``smoke`` (tests; a random 1-layer model),
 compile-checked, not run:
 ``python -m studies.scale_estimate --config experiments/glm/config.py:scale_8xh100``).
 """
+import os
+
 import ml_collections
 
+from opd_jax.config import load_config
 from opd_jax.recipes import policy_overrides as run
 from opd_jax.recipes import on_testbed, shrink_for_smoke
 from opd_jax.recipes import trainer_config as base
 from opd_jax.recipes import TESTBED
 from studies.scale_up import CHECKPOINTS, MESHES, STUDENT, apply_scale
+
+KIMI = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kimi_k3", "config.py")
 
 
 def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
@@ -69,21 +74,17 @@ def get_config(arg: str = "reduced") -> ml_collections.ConfigDict:
     on_testbed(c, ("sft", "specialist_sft"), ("rl", "student"))
     if arg in ("reduced", "full"):
         # The line starts from the dosed base itself (no cold start: its corpus taught the
-        # formats, and a cold start on the domains' demos would spend their headroom), each
-        # stage with kimi_k3's specialist settings: 100 SFT steps at lr 1e-3 on its domains'
-        # demos, then 8 GRPO iterations of 16 prompts x 4 at lr 1e-4.
+        # formats, and a cold start on the domains' demos would spend their headroom). Every
+        # stage is kimi_k3's specialist (its specialist SFT and GRPO sections), the student
+        # kimi_k3's (its schedule, rollouts and evaluation) with GLM's objective, and the
+        # report evaluates as kimi_k3's does (one definition: experiments/kimi_k3/config.py).
+        kimi = ml_collections.ConfigDict(load_config(f"{KIMI}:reduced").to_dict())
         c.sft.train.update(dict(steps=0, ckpt_every=1))
-        c.specialist_sft.train.update(dict(steps=100, ckpt_every=100))
-        c.specialist_sft.optim.update(dict(lr=1e-3, warmup_steps=5))
-        c.rl.train.update(dict(steps=8, ckpt_every=8))
-        c.rl.optim.update(dict(lr=1e-4, warmup_steps=2))
-        c.rl.eval.every = 0
-        # The student: kimi_k3's schedule (60 iterations of 64 rollouts in 4 minibatches, lr
-        # 1e-4 decayed by cosine), evaluated every 10 iterations on 64 problems per cell.
-        c.student.train.update(dict(steps=60, ckpt_every=10))
-        c.student.optim.update(dict(schedule="cosine"))
-        c.student.eval.update(dict(every=10, n=64))
-        c.eval.n = 512
+        c.specialist_sft, c.rl = kimi.specialist_sft, kimi.teacher
+        objective = c.student.objective
+        c.student = kimi.student
+        c.student.objective = objective
+        c.eval.n = kimi.eval.n
     if arg == "reduced":
         # The two domains that compete (kimi_k3 measured each specialist losing 0.38 on the
         # other): reasoning on general, then general RL on coding; the judge is off (the
