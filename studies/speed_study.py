@@ -302,15 +302,19 @@ def write_markdown(path: str, results: dict) -> None:
                                 f"{h['rollouts']:.0f} / {h['optimizer_steps']:.0f}")
             rows.append([run, f"{rec[0]['lr']:g}", f"{_mean([x['summed_lr'] for x in rec]):.2e}",
                          *cols, *[f"{r[cell]['share'][-1]:.0%}" for cell in cells]])
-    tchr = [[s["seed"], s["teacher"], ", ".join(f"{k} {v:.3f}" for k, v in s["validation"].items()),
-             f"{s['runs'][s['teacher']]['distance']:.2f}",
-             f"{s['runs'][s['teacher']]['path_length']:.2f}",
-             f"{s['runs'][s['teacher']]['distance'] / s['runs'][s['teacher']]['path_length']:.2f}"]
-            for s in results["per_seed"]]
+    tchr = []
+    for s in results["per_seed"]:
+        t = s["runs"][s["teacher"]]
+        tchr.append([s["seed"], s["teacher"],
+                     ", ".join(f"{k} {v:.3f}" for k, v in s["validation"].items()),
+                     f"{t['distance']:.2f}", f"{t['path_length']:.2f}",
+                     # NaN for a teacher that never moved (every group's rewards tied)
+                     f"{rp.ratio(t['distance'], t['path_length']):.2f}"])
     md = [f"# speed_study ({len(seeds)} seed(s): {seeds}"
           + (f"; unfinished: {results['incomplete']}" if results["incomplete"] else "") + ")",
           "", rp.provenance_line(results["provenance"]), "",
-          f"From `builtin:base` on {', '.join(cells)} (difficulty {results['eval']['difficulty']}). "
+          f"From `builtin:base` on {', '.join(cells)} (difficulty "
+          f"{results['eval']['difficulty']}). "
           f"Pass rate on {results['eval']['n']} held-out problems per cell and seed (each seed its "
           f"own), evaluated every {results['eval']['every']} iterations; curves and gains pooled "
           f"over seeds. Start and teacher (its last evaluation) on the same problems:", "",
