@@ -225,9 +225,7 @@ def reach(results: dict, run: str) -> dict[str, dict]:
     flops_it = _mean([r["cost"]["flops"] / r["cost"]["iterations"] for r in recs])
     out = {}
     for cell in results["cells"]:
-        curves = [dict(zip(*r["curves"][cell])) for r in recs]
-        its = sorted(set.intersection(*(set(cv) for cv in curves)))
-        mean = [_mean([cv[i] for cv in curves]) for i in its]
+        its, mean = rp.pooled_curve([r["curves"][cell] for r in recs])
         gain = g[cell]["gain"]
         share = [(m - g[cell]["start"]) / gain if gain > 0 else float("nan") for m in mean]
         row = {"iterations": its, "pass": mean, "share": share}

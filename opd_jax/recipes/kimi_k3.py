@@ -507,9 +507,7 @@ def speed_rows(results: dict) -> dict[str, dict]:
     out = {}
     for cell, p in t["pass"].items():
         target = p["start"] + SPEED_SHARE * (p["teacher"] - p["start"])
-        curves = [dict(zip(*s["curves"]["student"][cell])) for s in per_seed]
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
-        mean = [float(np.mean([c[x] for c in curves])) for x in steps]
+        steps, mean = rp.pooled_curve([s["curves"]["student"][cell] for s in per_seed])
         hit = next((x for x, y in zip(steps, mean) if y >= target), None)
         teacher = float(np.mean([sum(s["stages"][n]["flops"] for n in s["paths"][cell])
                                  for s in per_seed]))

@@ -250,6 +250,14 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def pooled_curve(curves) -> tuple[list[int], list[float]]:
+    """The mean over seeds of in-run curves ((iterations, values) per seed) at the
+    iterations every seed evaluated."""
+    points = [dict(zip(*c)) for c in curves]
+    its = sorted(set.intersection(*(set(p) for p in points))) if points else []
+    return its, [float(np.mean([p[i] for p in points])) for i in its]
+
+
 def curve(workdir: str, stage: str, key: str) -> tuple[list[int], list[float]]:
     """(iterations, values) of a logged metric of a stage (held-out rewards are sparse)."""
     pts = {}
