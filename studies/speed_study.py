@@ -228,7 +228,8 @@ def reach(results: dict, run: str) -> dict[str, dict]:
         its, mean = rp.pooled_curve([r["curves"][cell] for r in recs])
         gain = g[cell]["gain"]
         share = [(m - g[cell]["start"]) / gain if gain > 0 else float("nan") for m in mean]
-        row = {"iterations": its, "pass": mean, "share": share}
+        row = {"iterations": its, "pass": mean, "share": share,
+               "flops_per_iteration": flops_it}
         for q in results["shares"]:
             it = next((i for i, s in zip(its, share) if s >= q), None)
             row[f"{q:g}"] = None if it is None else {
@@ -346,10 +347,8 @@ def plot(out_dir: str, results: dict) -> None:
         for method, runs in methods(results).items():
             for run in (runs if method == "grpo" else [best_run(results, method)]):
                 r = reach(results, run)[cell]
-                f_it = _mean([s["runs"][run]["cost"]["flops"] / s["runs"][run]["cost"]["iterations"]
-                              for s in results["per_seed"]])
-                lines.append({"x": [i * f_it for i in r["iterations"]], "y": r["pass"],
-                              "label": run})
+                lines.append({"x": [i * r["flops_per_iteration"] for i in r["iterations"]],
+                              "y": r["pass"], "label": run})
         lines += [{"y": g[cell]["teacher"], "label": "teacher", "color": "k"},
                   {"y": g[cell]["start"], "label": "start", "color": "gray"},
                   {"y": g[cell]["start"] + CLAIM_SHARE * g[cell]["gain"],
