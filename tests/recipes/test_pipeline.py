@@ -153,8 +153,13 @@ def test_reduced_and_full_plans():
     d = load_config(os.path.join(ROOT, "experiments/deepseek_v4/config.py:reduced"))
     st = {s.name: s for s in recipe_module("deepseek_v4").build(d, 0)}
     kimi = load_config(os.path.join(ROOT, "experiments/kimi_k3/config.py:reduced"))
+    # deepseek_v4 reduced also runs the mixed-data baseline (kimi_k3's, at 120 iterations)
+    assert d.mixed_rl_steps == 120 and kimi.mixed_rl_steps == 0
+    kimi.mixed_rl_steps = d.mixed_rl_steps
     same = {s.name: s for s in k.build(kimi, 0)}
-    assert list(st) == [*same, "sampled_student"]
+    assert list(st) == [*(n for n in same if not n.startswith("mixed")), "sampled_student",
+                        "mixed_sft", "mixed"]
+    kimi.mixed_rl_steps = 0
     assert all(stage_identity(st[n]) == stage_identity(same[n]) for n in same if n != "student")
     assert st["student"].config.objective.name == "deepseek_full_vocab"
     assert st["sampled_student"].config.objective == same["student"].config.objective
