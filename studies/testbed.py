@@ -41,7 +41,7 @@ from opd_jax.recipes.report import code_commit
 from opd_jax.trainers.evaluate import evaluate_model
 
 SEEDS = (0, 1, 2)
-EVAL_N = 64
+EVAL_N = 128          # issue 31: >= 128 held-out problems per cell
 MARGIN = 0.10
 
 
