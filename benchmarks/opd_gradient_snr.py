@@ -1,13 +1,15 @@
 """How good is one minibatch's OPD gradient? Cosine with the exact big-batch gradient.
 
-    PYTHONPATH=. python benchmarks/opd_gradient_snr.py --workdir runs/learning_check
+    PYTHONPATH=. python benchmarks/opd_gradient_snr.py --workdir runs/kimi_k3/seed0
 
-On the `learning_check` toy (its student and two specialists, built in --workdir unless
-already there), the student samples --rollouts episodes (temperature 1, both cells), the
-routed teacher scores them with full logits, and the reference direction is the exact
-gradient of the full-vocabulary reverse KL over all of them (token mean). For minibatches of
---minibatch rollouts it prints the mean cosine (± standard error over --draws random
-minibatches) of each estimator with that direction:
+At the kimi_k3 student's start (a finished kimi_k3 seed workdir: the task-arithmetic merge
+``merge_1`` and the six cell teachers ``rl_<domain>_<effort>``, on the dosed base), the
+student samples --rollouts episodes on train-split prompts of every cell (temperature 1, the
+preset's student sampling and think budgets), each scored with full logits by its cell's
+teacher, and the reference direction is the exact gradient of the full-vocabulary reverse KL
+over all of them (token mean). For minibatches of --minibatch rollouts it prints the mean
+cosine (± standard error over --draws random minibatches) of each estimator with that
+direction:
 
 * ``full``: the full-vocabulary reverse KL on the minibatch (its noise is only which
   prompts and prefixes were drawn);
@@ -16,13 +18,11 @@ minibatches) of each estimator with that direction:
   minibatch-mean signal (a constant baseline, unbiased).
 
 A cosine half as large means about four times the rollouts per step for the same
-signal-to-noise; this is why `learning_check.SETTINGS` give the sampled-token objectives
-four times the full-vocabulary objective's prompts.
+signal-to-noise.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import jax
@@ -30,51 +30,58 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from opd_jax import envs
+from opd_jax.config import load_config
+from opd_jax.episodes import SamplingConfig, play
+from opd_jax.episodes.sequences import build_sequences
+from opd_jax.models import ModelRef, build_tokenizer
+from opd_jax.recipes import recipe_module
+from opd_jax.recipes.pipeline import stage_dir
+from opd_jax.trainers.evaluate import heldout_tasks
+
 R_MAX = (5.0, 2.0, 1.0, 0.5, None)
 
 
 def main(argv=None) -> None:
-    from opd_jax import envs
-    from opd_jax.models import synthetic_tokenizer
-    from studies import learning_check as lc
-    from opd_jax.models import ModelRef
-    from opd_jax.episodes import SamplingConfig, play
-    from opd_jax.episodes.sequences import build_sequences
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", required=True)
+    p.add_argument("--workdir", required=True, help="a finished kimi_k3 seed workdir")
+    p.add_argument("--config", default=os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        "experiments", "kimi_k3", "config.py") + ":reduced")
+    p.add_argument("--seed", type=int, default=0, help="the workdir's seed (its stage plan)")
     p.add_argument("--rollouts", type=int, default=256)
     p.add_argument("--minibatch", type=int, nargs="+", default=[16, 64])
     p.add_argument("--draws", type=int, default=8)
     a = p.parse_args(argv)
-    saved = os.path.join(a.workdir, "models.json")
-    if os.path.exists(saved):
-        with open(saved, encoding="utf-8") as f:
-            models = json.load(f)
-    else:
-        models = lc.setup(a.workdir)
-        with open(saved, "w", encoding="utf-8") as f:
-            json.dump({k: v for k, v in models.items() if k != "student_rewards"}, f)
-
-    tok = synthetic_tokenizer()
-    student = ModelRef(models["student"]).load()
-    teachers = {d: ModelRef(path).load() for d, path in models["teachers"].items()}
-    tasks = [t for fam in lc.FAMILIES.values()
-             for t in envs.TaskSource(fam, size=a.rollouts // len(lc.FAMILIES), seed=0,
-                                      effort="high", difficulty=lc.DIFFICULTY)]
-    eps = play(student, tok, tasks, SamplingConfig(max_new_tokens=lc.MAX_NEW_TOKENS, max_turns=1), seed=1)
+    c = load_config(a.config)
+    plan = {s.name: s for s in recipe_module(c.recipe).build(c, a.seed)}["student"]
+    missing = [n for n in (plan.init_from, *plan.teachers.values())
+               if not os.path.isdir(stage_dir(a.workdir, n))]
+    if missing:
+        raise FileNotFoundError(f"--workdir {a.workdir!r} lacks the stages {missing}: expected "
+                                f"a finished {c.recipe} seed workdir")
+    tok = build_tokenizer(c.tokenizer)
+    student = ModelRef(stage_dir(a.workdir, plan.init_from)).load()
+    teachers = {cell: ModelRef(stage_dir(a.workdir, n)).load() for cell, n in plan.teachers.items()}
+    tc = plan.config.tasks
+    per_cell = a.rollouts // len(teachers)
+    tasks = [t for d, fam in dict(tc.families).items() for e in tc.efforts
+             for t in heldout_tasks({d: fam}, (e,), n=per_cell, seed=a.seed,
+                                    difficulty=tc.difficulty, split="train")]
+    eps = play(student, tok, tasks, SamplingConfig(**dict(plan.config.rollout.sampling)),
+               seed=1)
     b = build_sequences([e.prompt_ids for e in eps], [e.response_ids for e in eps],
                         response_masks=[e.response_mask for e in eps])
     inputs, targets = jnp.asarray(b["inputs"]), jnp.asarray(b["targets"])
     seg, mask = jnp.asarray(b["segment_ids"]), jnp.asarray(b["mask"], jnp.float32)
-    domain = np.asarray([e.task.domain for e in eps])
+    cell = np.asarray([envs.cell_of(e.task) for e in eps])
     teacher_lp = None
-    for d, t in teachers.items():
+    for name, t in teachers.items():
         lp = jax.nn.log_softmax(t(inputs, segment_ids_BxT=seg), -1)
-        rows = jnp.asarray(domain == d)[:, None, None]
+        rows = jnp.asarray(cell == name)[:, None, None]
         teacher_lp = jnp.where(rows, lp, 0.0 if teacher_lp is None else teacher_lp)
-    print(f"{len(eps)} rollouts, {int(mask.sum())} sampled tokens, on-policy reward "
-          f"{np.mean([e.reward for e in eps]):.3f}")
+    print(f"{len(eps)} rollouts ({per_cell} per cell), {int(mask.sum())} sampled tokens, "
+          f"on-policy pass rate {np.mean([float(e.info.get('correct', 0.0)) for e in eps]):.3f}")
 
     graphdef, params, rest = nnx.split(student, nnx.Param, ...)
 

@@ -5,7 +5,8 @@ none is imported by ``opd_jax``:
 
     python -m studies.base_model --workdir runs/base          # the built-in base model + card
     python -m studies.testbed --workdir runs/testbed          # does the testbed bind?
-    python -m studies.learning_check --workdir runs/lc        # does each objective learn?
+    python -m studies.speed_study --workdir runs/speed        # OPD against RL, in FLOPs
+    python -m studies.student_sweep --workdir runs/k3 --seeds 0  # what moves the student?
     python -m studies.scale_estimate                          # real-size presets: memory
     python -m studies.smoke --out runs/smoke                  # real architectures, few layers
 

@@ -51,7 +51,7 @@ from opd_jax.trainers import config_schema
 VARIANTS: dict[str, tuple[str, dict | None]] = {
     "preset": ("the preset's student (the run's own stage)", None),
     "full_vocab": ("full-vocabulary reverse KL (deepseek_full_vocab objective, routed per "
-                   "cell), lr 3e-4 with cosine decay (learning_check's setting)",
+                   "cell), lr 3e-4 with cosine decay (the notebook-era setting)",
                    {"=objective": {"name": "deepseek_full_vocab", "options": {}},
                     "optim": {"lr": 3e-4, "schedule": "cosine"}}),
     "seq_mean": ("every sequence weighted equally (aggregation seq_mean), not every token",
@@ -141,7 +141,7 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
     "full_vocab_2e-4": ("full_vocab_preset at lr 2e-4 (decayed by cosine to 0.1x)",
                         {"=objective": {"name": "deepseek_full_vocab", "options": {}},
                          "optim": {"lr": 2e-4}}),
-    "full_vocab_3e-4": ("full_vocab_preset at lr 3e-4 (learning_check's lr)",
+    "full_vocab_3e-4": ("full_vocab_preset at lr 3e-4 (the notebook-era lr)",
                         {"=objective": {"name": "deepseek_full_vocab", "options": {}},
                          "optim": {"lr": 3e-4}}),
     "full_vocab_iters_120": ("full_vocab_preset for 120 iterations (480 optimizer steps)",

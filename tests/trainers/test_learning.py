@@ -1,64 +1,78 @@
-"""Learning, not just running (long tier, `pytest -m long`): GRPO raises its on-policy reward beyond noise, and
-an OPD student (the shipped base, builtin:base) distilled from two specialists fine-tuned from
-it reaches 90% of each one's reward on its cell, for each objective (see
-studies/learning_check.py for the setup and the settings).
-The sampled-token objectives need four times the rollouts of the full-vocabulary one (about
-30 CPU minutes each on 2 cores; their settings were measured on an earlier random-init toy)."""
+"""Learning, not just running (long tier, `pytest -m long`), on the shipped base and the
+testbed: seed 0 of the speed study (studies/speed_study.py; its 3-seed results are committed in
+experiments/speed_study) with one learning rate per method, each the study's best:
+
+* GRPO from `builtin:base` on general/max + coding/max (chain, code_trace at difficulty 3)
+  raises its held-out general/max pass rate beyond 3 se, without losing coding/max beyond
+  2 se;
+* full-vocabulary OPD from the same start, distilling that GRPO run, gains on general/max
+  beyond 3 se and keeps at least half of the teacher's gain there;
+* the clipped sampled-token signal (kimi_mopd) gains on general/max beyond 3 se.
+
+Every model is evaluated greedily on the seed's first 512 eval-split problems per cell, paired
+with the start. The committed study's seed-0 and seed-1 runs (commit 7e7b5be) score, on those
+512 problems, general/max gains of +0.131 / +0.135 for the teacher (6.6 / 6.8 se), +0.113 /
++0.146 for full-vocab OPD at lr 1e-4 (5.6 / 7.6 se) and +0.121 / +0.104 for sampled-token
+OPD at lr 5e-5 (6.1 / 5.1 se); coding/max +0.057 / +0.025 for the teacher. (At the study's
+128 problems the full-vocab gain of seed 0 is 2.9 se: too few problems for this check.) The
+runs here evaluate in-run every 10 iterations instead of 2 (evaluation does not touch
+training). About 20 CPU minutes on 2 idle cores.
+"""
+
+import ml_collections
 import pytest
 
-from studies import learning_check as lc
+from opd_jax.config import load_config
+from opd_jax.models import build_tokenizer
+from opd_jax.recipes import kimi_k3
+from opd_jax.recipes import report as rp
+from opd_jax.recipes.pipeline import run_stage
+from studies import speed_study as ss
 
-# Every check here trains students for many CPU minutes; beside another worker CI's slow
-# tier ran out of its time with them, so the whole module is `long` (run with -m long).
 pytestmark = [pytest.mark.slow, pytest.mark.long]
+
+SEED = 0
+TEACHER_LR, FULL_LR, SAMPLED_LR = 5e-5, 1e-4, 5e-5     # the study's best per method
+GENERAL, CODING = ss.NAMES
+EVAL_N = 512
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return lc.setup(str(tmp_path_factory.mktemp("learning")))
+def runs(tmp_path_factory):
+    sw = str(tmp_path_factory.mktemp("learning") / f"seed{SEED}")
+    c = ml_collections.ConfigDict(load_config(ss.CONFIG).to_dict())
+    tokenizer = build_tokenizer(c.tokenizer)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ss, "EVAL_EVERY", 10)
+        teacher = ss.grpo_stage(c, SEED, TEACHER_LR)
+        stages = [teacher, ss.opd_stage(c, SEED, "deepseek_full_vocab", FULL_LR, teacher.name),
+                  ss.opd_stage(c, SEED, "kimi_mopd", SAMPLED_LR, teacher.name)]
+        for stage in stages:
+            run_stage(stage, sw, progress=False)
+    out = {"start": ss._evaluate(c, sw, "start", tokenizer, path=kimi_k3.start_path(c),
+                                 seed=SEED, n=EVAL_N)}
+    for name, stage in zip(("teacher", "full_vocab", "sampled"), stages):
+        out[name] = ss._evaluate(c, sw, stage.name, tokenizer, seed=SEED, n=EVAL_N)
+    return out
 
 
-def _reaches_90pct_of_each_teacher(models, objective):
-    out = lc.summarize(models, lc.train(models, objective))
-    print(objective, out)
-    gen = out["general/high"]
-    # The arithmetic specialist knows what the student does not ...
-    assert gen["before"] < 0.9 * gen["teacher"]
-    # ... the student rises beyond noise (paired on the same held-out tasks) ...
-    assert gen["paired_diff"] > 3 * gen["paired_se"]
-    # ... to 90% of each teacher's reward on that teacher's cell.
-    for cell in lc.CELLS:
-        assert out[cell]["fraction_of_teacher"] >= 0.9, (cell, out[cell])
+def _gain(runs, model, cell):
+    return rp.paired(runs[model][cell]["passes"], runs["start"][cell]["passes"])
 
 
-def test_full_vocab_student_reaches_90pct_of_each_teacher(models):
-    _reaches_90pct_of_each_teacher(models, "deepseek_full_vocab")
+def test_grpo_raises_pass_rate(runs):
+    g = _gain(runs, "teacher", GENERAL)
+    assert g["diff"] > 3 * g["se"], g
+    c = _gain(runs, "teacher", CODING)
+    assert c["diff"] > -2 * c["se"], c
 
 
-@pytest.mark.parametrize("objective", ["kimi_mopd", "glm_cross_stage"])
-def test_sampled_token_student_reaches_90pct_of_each_teacher(models, objective):
-    _reaches_90pct_of_each_teacher(models, objective)
+def test_full_vocab_opd_carries_the_teachers_gain(runs):
+    g, t = _gain(runs, "full_vocab", GENERAL), _gain(runs, "teacher", GENERAL)
+    assert g["diff"] > 3 * g["se"], g
+    assert g["diff"] >= 0.5 * t["diff"], (g, t)
 
 
-def test_sampled_token_student_at_the_presets_budget(models):
-    """The recipes' sampled-token students spend 64 rollouts per iteration (kimi_k3 reduced:
-    kimi_mopd, 64 prompts x 1 sample, 4 minibatches). learning_check's `kimi_g1` row is that
-    budget (120 iterations, about 7 CPU minutes). At it the student does *not* reliably move
-    toward a teacher it is far from: on the cell it does not know the same run measured
-    +0.091 (se 0.042) from the base on our 2-core box and -0.000 (se 0.049) on CI's machine,
-    two runs that differ only in float rounding (experiments/learning_check/README.md). What
-    the presets rely on, and what this asserts: it keeps the cell it already holds (94% and
-    97% of the coding teacher in those two runs) and does not drift away from the far
-    teacher beyond noise (with 16-32 rollouts per step at lr >= 3e-4 it did)."""
-    out = lc.summarize(models, lc.train(models, "kimi_g1"))
-    print("kimi_g1", out)
-    gen, cod = out["general/high"], out["coding/high"]
-    assert gen["paired_diff"] > -2 * gen["paired_se"], gen
-    assert cod["fraction_of_teacher"] >= 0.9, cod
-
-
-def test_grpo_reward_rises(models):
-    out = lc.summarize(models, lc.train(models, "grpo"))
-    print("grpo", out)
-    tr = out["train_reward"]
-    assert tr["last5"] - tr["first5"] > 3 * tr["diff_se"], tr
+def test_sampled_token_opd_moves_toward_the_teacher(runs):
+    g = _gain(runs, "sampled", GENERAL)
+    assert g["diff"] > 3 * g["se"], g
