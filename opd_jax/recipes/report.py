@@ -181,14 +181,16 @@ def cost_table(costs: dict[str, dict]) -> str:
 
 def code_commit() -> str:
     """The short commit of the code a result was measured with; "-dirty" when the package,
-    the studies or the experiment configs differ from it (uncommitted changes that could
-    move results)."""
+    the studies, the notebooks or the experiment configs differ from it, new files included
+    (uncommitted changes that could move results)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
                               capture_output=True, text=True).stdout.strip()
-        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "opd_jax", "studies",
-                                "experiments/*/config.py"], cwd=REPO).returncode == 0
-        return head if clean else head + "-dirty"
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all", "--", "opd_jax", "studies",
+             "notebooks/*.ipynb", "experiments/*/config.py"],
+            cwd=REPO, check=True, capture_output=True, text=True).stdout.strip()
+        return head + "-dirty" if changed else head
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

@@ -65,8 +65,9 @@ def _check_ran(nb, name):
     pytest.param("03_tiny_mopd.ipynb", marks=[pytest.mark.slow, pytest.mark.long]),
 ])
 def test_notebook_executes(name):
-    # 03 distills for 240 iterations in one cell: about 10 minutes alone on 2 cores, far more
-    # beside the slow tier's other worker, so it is `long` (CI's slow tier timed out with it).
+    # 03 runs the main job in miniature (two specialist SFTs, a merge, 60 OPD iterations at
+    # max effort) and rewrites notebooks/results/03_tiny_mopd.{json,md} (its wall time is in
+    # there): tens of minutes beside the slow tier's other worker, so it is `long`.
     nb, seconds = execute(name, timeout=2400 if name.startswith("03") else 900)
     _check_ran(nb, name)
     print(f"{name}: {seconds:.1f} s")

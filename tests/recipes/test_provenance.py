@@ -23,5 +23,17 @@ def test_commit_is_marked_dirty_only_for_code_and_config_changes(tmp_path, monke
     assert report.code_commit() == head
     (tmp_path / "opd_jax" / "x.py").write_text("a = 2\n")
     assert report.code_commit() == head + "-dirty"
+    _git(tmp_path, "commit", "-qam", "d")
+    head = report.code_commit()
+    assert not head.endswith("-dirty")
+    (tmp_path / "studies").mkdir()                                # a new, untracked study
+    (tmp_path / "studies" / "new.py").write_text("b = 1\n")
+    assert report.code_commit() == head + "-dirty"
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-qm", "e")
+    head = report.code_commit()
+    (tmp_path / "notebooks").mkdir()                              # a notebook that writes results
+    (tmp_path / "notebooks" / "n.ipynb").write_text("{}\n")
+    assert report.code_commit() == head + "-dirty"
     monkeypatch.setattr(report, "REPO", str(tmp_path / "not_a_repo"))
     assert report.code_commit() == "unknown"
