@@ -123,6 +123,8 @@ VARIANTS: dict[str, tuple[str, dict | None]] = {
                 {"objective": {"options": {"r_max": 1.0}}}),
     "r_max_0.5": ("the preset with the log-ratio clipped at 0.5 nats (preset 5)",
                   {"objective": {"options": {"r_max": 0.5}}}),
+    "r_max_0.5_lr_2e-4": ("r_max_0.5 at lr 2e-4 (a better-aimed step may stand a larger one)",
+                          {"objective": {"options": {"r_max": 0.5}}, "optim": {"lr": 2e-4}}),
     "group_4": ("the preset with 4 samples per prompt (16 prompts x 4 = the same 64 rollouts "
                 "per iteration)", {"rollout": {"group_size": 4, "prompts_per_step": 16}}),
     "min_lr_0": ("the preset with the lr decayed by cosine to 0 (preset: to 0.1x)",
