@@ -162,7 +162,7 @@ def test_tiny_presets_plans_unchanged():
         ("merge_0.5", None), ("merge_1", None), ("merge_1.5", None), ("student", "merge_1")]
     d = recipe_module("deepseek_v4").build(_load("deepseek_v4", "reduced"), 0)
     assert [(s.name, s.init_from) for s in d] == [(s.name, s.init_from) for s in k] + [
-        ("sampled_student", "merge_1")]
+        ("sampled_student", "merge_1"), ("mixed_sft", None), ("mixed", "mixed_sft")]
     scaled = {s.name: s for s in recipe_module("kimi_k3").build(_load("kimi_k3", "scale_v5p64"), 0)}
     assert scaled["rl_agent_max"].init_from == "teacher_sft"
     assert scaled["merge_1"].init_from == "teacher_sft" and scaled["student"].init_from == "sft"
