@@ -109,20 +109,17 @@ def claims(results: dict) -> list[tuple[str, bool, str]]:
     """
     cells = results["cells"]
 
-    def beyond(p, k):
-        return p["diff"] > 0 and p["diff"] > k * p["se"]
-
     spec = {cell: c["vs_start"][c["teacher"]] for cell, c in cells.items()}
     student = {cell: c["vs_start"]["student"] for cell, c in cells.items()}
     merge = {cell: c["student_vs_merge"] for cell, c in cells.items()}
     listed = lambda ps: ", ".join(f"{cell} {_said(p)}" for cell, p in ps.items())
     return [
-        ("specialists_gain", all(beyond(p, GAIN_K) for p in spec.values()),
+        ("specialists_gain", all(rp.beats(p, 0.0, GAIN_K) for p in spec.values()),
          f"each specialist beats the start on its own cell beyond {GAIN_K:g} se: "
          + listed(spec)),
-        ("student_gains", all(beyond(p, GAIN_K) for p in student.values()),
+        ("student_gains", all(rp.beats(p, 0.0, GAIN_K) for p in student.values()),
          f"the student beats the start on every cell beyond {GAIN_K:g} se: " + listed(student)),
-        ("student_beats_merge", all(beyond(p, MERGE_K) for p in merge.values()),
+        ("student_beats_merge", all(rp.beats(p, 0.0, MERGE_K) for p in merge.values()),
          f"the student beats the merge on every cell beyond {MERGE_K:g} se: " + listed(merge)),
     ]
 

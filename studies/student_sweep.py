@@ -321,7 +321,7 @@ def summarize(results: dict) -> dict:
                           if gain > 0 else float("nan"),
                           "vs_merge": rp.paired(me_v, me)}
         kept = [r["kept"] for r in rows.values()]
-        beats = sum(kimi_k3.beats(r["vs_merge"], 0.0, MERGE_K) for r in rows.values())
+        beats = sum(rp.beats(r["vs_merge"], 0.0, MERGE_K) for r in rows.values())
         cost = {k: float(np.mean([s["cost"][v][k] for s in ps]))
                 for k in ("wall_s", "optimizer_steps", "rollouts", "flops")}
         out[v] = {"cells": rows, "mean_kept": rp.finite_mean(kept), "beats_merge": int(beats),

@@ -28,7 +28,7 @@ import numpy as np
 from opd_jax import envs
 from opd_jax.plotting.recipes import plot_seed_lines
 from opd_jax.recipes import report as rp
-from opd_jax.recipes.kimi_k3 import (GAIN, GAIN_K, LOSS, LOSS_K, beats, eval_seed,
+from opd_jax.recipes.kimi_k3 import (GAIN, GAIN_K, LOSS, LOSS_K, eval_seed,
                                      specialist_start, stage_config, start_path)
 from opd_jax.recipes.pipeline import Stage
 
@@ -176,7 +176,7 @@ def _rl_stages(results: dict) -> list[str]:
 def claims(results: dict) -> list[dict]:
     """The recipe's claims on pass rate, from a results.json dict alone (paired over the same
     problems, pooled over a domain's modes and the seeds; "beats by d beyond k se":
-    `kimi_k3.beats`)."""
+    `report.beats`)."""
     rl = _rl_stages(results)
     last = rl[-1]
     line = [START, *rl]
@@ -198,11 +198,11 @@ def claims(results: dict) -> list[dict]:
     return [
         {"claim": f"each RL stage (its SFT and GRPO) gains >= {GAIN} pass rate on its own "
                   f"domains over the model it started from, beyond {GAIN_K:g} se",
-         "pass": all(beats(p, GAIN, GAIN_K) for p in learned.values()),
+         "pass": all(rp.beats(p, GAIN, GAIN_K) for p in learned.values()),
          "measured": rp.paired_list(learned)},
         {"claim": f"the last stage ({last}) costs each earlier domain >= {LOSS} pass rate "
                   f"beyond {LOSS_K:g} se (that domain's teacher stage - {last})",
-         "pass": bool(forgot) and all(beats(p, LOSS, LOSS_K) for p in forgot.values()),
+         "pass": bool(forgot) and all(rp.beats(p, LOSS, LOSS_K) for p in forgot.values()),
          "measured": rp.paired_list(forgot) or "no domain has an earlier teacher stage"},
         {"claim": f"cross-stage OPD recovers >= {RECOVER:.0%} of that loss on every earlier "
                   f"domain: (student - {last}) / (teacher stage - {last})",

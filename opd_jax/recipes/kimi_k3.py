@@ -383,11 +383,6 @@ def table(per_seed: list[dict], names: list[str], domains: dict, efforts, top: s
 
 
 # -- claims ----------------------------------------------------------------------------------
-def beats(p: dict, d: float, k: float) -> bool:
-    """"Beats by d beyond k se": the paired difference is >= d and > k standard errors."""
-    return p["diff"] >= d and p["diff"] > k * p["se"]
-
-
 def precondition(results: dict) -> dict:
     """The start has headroom on every teacher cell (pass rate < HEADROOM) and every teacher
     gained on its cell (beyond 2 se): without both, no claim below says anything about OPD."""
@@ -395,7 +390,7 @@ def precondition(results: dict) -> dict:
     start = {cell: v["start"] for cell, v in t["pass"].items()}
     gain = {cell: v["teacher"] for cell, v in t["vs_start"].items()}
     full = [cell for cell, p in start.items() if p >= HEADROOM]
-    flat = [cell for cell, g in gain.items() if not beats(g, 0.0, 2.0)]
+    flat = [cell for cell, g in gain.items() if not rp.beats(g, 0.0, 2.0)]
     return {"claim": f"PRECONDITION: the start has headroom on every teacher cell (pass rate "
                      f"< {HEADROOM:.2f}) and every teacher gained on its cell (beyond 2 se)",
             "pass": not full and not flat,
@@ -413,13 +408,13 @@ def claims(results: dict) -> list[dict]:
     gain = {cell: v["teacher"] for cell, v in t["vs_start"].items()}
     out.append({"claim": f"every teacher beats the start on its cell by >= {GAIN} pass rate "
                          f"beyond {GAIN_K:g} se",
-                "pass": all(beats(g, GAIN, GAIN_K) for g in gain.values()),
+                "pass": all(rp.beats(g, GAIN, GAIN_K) for g in gain.values()),
                 "measured": rp.paired_list(gain)})
     comp = t["competition"]
     out.append({"claim": f"each specialist loses >= {LOSS} pass rate on the other domain "
                          f"beyond {LOSS_K:g} se (start - specialist, at {results['top']} "
                          f"effort): the domains compete",
-                "pass": bool(comp) and all(beats(p, LOSS, LOSS_K) for p in comp.values()),
+                "pass": bool(comp) and all(rp.beats(p, LOSS, LOSS_K) for p in comp.values()),
                 "measured": rp.paired_list(comp)})
     for who in ("teacher", "student"):
         eff = {f"{k.split(' ', 1)[1]} {gap}": p for k, v in t["effort"].items()
@@ -443,7 +438,7 @@ def claims(results: dict) -> list[dict]:
     scales = sorted({s["merge_chosen"] for s in results["per_seed"]})
     out.append({"claim": f"the student beats the validation-tuned merge on every cell beyond "
                          f"{MERGE_K:g} se",
-                "pass": all(beats(p, 0.0, MERGE_K) for p in vm.values()),
+                "pass": all(rp.beats(p, 0.0, MERGE_K) for p in vm.values()),
                 "measured": rp.paired_list(vm) + f"; chosen on validation: {', '.join(scales)}"})
     if "student_vs_mixed" in t:
         out.append(mixed_claim(results))
@@ -474,7 +469,7 @@ def mixed_claim(results: dict) -> dict:
     return {"claim": f"the student beats the mixed-data baseline (SFT then GRPO of one model "
                      f"on every domain's data, no specialists) on every cell beyond "
                      f"{MERGE_K:g} se",
-            "pass": all(beats(p, 0.0, MERGE_K) for p in vm.values()),
+            "pass": all(rp.beats(p, 0.0, MERGE_K) for p in vm.values()),
             "measured": rp.paired_list(vm) + f"; FLOPs: mixed {mixed:.2e}, specialists and "
                         f"student {ours:.2e} (ratio {rp.ratio(mixed, ours):.2f})"}
 
@@ -490,7 +485,7 @@ def sampled_claim(results: dict) -> dict:
     ours, theirs = _mean_flops(results, "student"), _mean_flops(results, SAMPLED)
     return {"claim": f"the student beats the sampled-token student (same start, rollouts and "
                      f"optimizer steps; FLOPs at most 1.1x) on every cell beyond {MERGE_K:g} se",
-            "pass": all(beats(p, 0.0, MERGE_K) for p in vs.values()) and ours <= 1.1 * theirs,
+            "pass": all(rp.beats(p, 0.0, MERGE_K) for p in vs.values()) and ours <= 1.1 * theirs,
             "measured": rp.paired_list(vs) + f"; FLOPs per seed: student {ours:.2e}, "
                         f"sampled-token {theirs:.2e} (ratio {rp.ratio(ours, theirs):.2f})"}
 

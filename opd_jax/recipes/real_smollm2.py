@@ -251,10 +251,6 @@ MARGIN = 0.05       # "beats by d beyond k se": d
 K_SE = 2.0
 
 
-def _beats(p: dict, d: float = MARGIN, k: float = K_SE) -> bool:
-    return p["diff"] >= d and p["diff"] > k * p["se"]
-
-
 def claims(results: dict) -> list[dict]:
     """The claims, from results.json alone (paired per problem, pooled over seeds)."""
     t, domains = results["table"], list(results["domains"])
@@ -273,13 +269,13 @@ def claims(results: dict) -> list[dict]:
         vm = t["vs_merge"][m]
         out.append({"claim": f"the {label} student beats the validation-tuned merge on every "
                              f"domain by >= {MARGIN} beyond {K_SE:g} se",
-                    "pass": all(_beats(p) for p in vm.values()),
+                    "pass": all(rp.beats(p, MARGIN, K_SE) for p in vm.values()),
                     "measured": rp.paired_list(vm)
                                 + f"; merge scale {results['per_seed'][0]['merge_scale']}"})
         vs = t["vs_specialist"][m]
         out.append({"claim": f"the {label} student beats each specialist on the other domain "
                              f"by >= {MARGIN} beyond {K_SE:g} se (one model for both)",
-                    "pass": all(_beats(p) for p in vs.values()),
+                    "pass": all(rp.beats(p, MARGIN, K_SE) for p in vs.values()),
                     "measured": rp.paired_list(vs)})
         g = t["general"]
         worst = max((k for k in g if k.startswith("specialist_")),

@@ -227,6 +227,11 @@ def eval_meta(ev) -> dict:
     return {"difficulty": ev.difficulty, "n": ev.n, "seed": ev.seed}
 
 
+def beats(p: dict, d: float, k: float) -> bool:
+    """"Beats by d beyond k se" for a `paired` difference p: p["diff"] >= d and > k se."""
+    return p["diff"] >= d and p["diff"] > k * p["se"]
+
+
 def paired_list(ps: dict) -> str:
     """"name +0.123 (se 0.045), ..." of `paired` results by name."""
     return ", ".join(f"{k} {p['diff']:+.3f} (se {p['se']:.3f})" for k, p in ps.items())

@@ -197,10 +197,9 @@ def test_kimi_mixed_data_baseline_stages():
 
 
 def test_beats_is_margin_and_standard_errors():
-    kimi = recipe_module("kimi_k3")
-    assert kimi.beats({"diff": 0.2, "se": 0.05}, 0.15, 3.0)
-    assert not kimi.beats({"diff": 0.2, "se": 0.07}, 0.15, 3.0)     # 0.2 < 3 se
-    assert not kimi.beats({"diff": 0.14, "se": 0.01}, 0.15, 3.0)    # under the margin
+    assert rp.beats({"diff": 0.2, "se": 0.05}, 0.15, 3.0)
+    assert not rp.beats({"diff": 0.2, "se": 0.07}, 0.15, 3.0)     # 0.2 < 3 se
+    assert not rp.beats({"diff": 0.14, "se": 0.01}, 0.15, 3.0)    # under the margin
 
 
 
