@@ -253,6 +253,16 @@ def main(argv=None):
                          + f", rest {rest:.1f} ms; the projections run at "
                          f"{p_flops / prof['projections'] / 1e6:.1f} GFLOP/s and read their "
                          f"weights at {p_bytes / prof['projections'] / 1e6:.1f} GB/s")
+                    # the same numbers two other ways: the decode steps alone, and the
+                    # whole call against its whole work (the prompt's tokens cost 2N too)
+                    call_bound = flops / (2 * n_params) * args.new / (args.prompt + args.new)
+                    p_rate = p_flops / prof["projections"] * 1e3
+                    emit(f"decode steps alone: {1e3 * B / step:.1f} tok/s = "
+                         f"{1e3 * B / step / flop_bound:.0%} of the FLOP bound; the call "
+                         f"against its prompt + new tokens' FLOPs: {ours_tps / call_bound:.0%}"
+                         f"; the projections' GEMMs at this batch, alone: {p_rate / flops:.0%}"
+                         f" of the 2048^3 rate (no step whose FLOPs all ran at their rate "
+                         f"could pass that share of the FLOP bound)")
         del hf
     load1 = os.getloadavg()
     emit(f"load average after {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -25,20 +26,29 @@ FINISH_NAMES = {int(r): r.name.lower() for r in FinishReason}
 ALL_STEPS = (1 << 31) - 1
 
 
+def _array_module(*xs):
+    """jnp when any of `xs` is a device array (or a tracer), else np: host inputs stay on
+    the host until a jitted call takes them (an eager jnp op compiles a program on a
+    process's first call)."""
+    return jnp if any(isinstance(x, jax.Array) for x in xs) else np
+
+
 def align_right(prompt_BxP, prompt_lens_B, padding: str = "left"):
     """(tokens, mask) with each row's prompt ending in the last column.
 
     padding="left": prompts are already right-aligned; "right": prompts start at column 0.
+    Host (numpy) inputs are aligned on the host, device arrays on the device.
     """
+    if padding not in ("left", "right"):
+        raise ValueError(f"padding={padding!r}: expected 'left' or 'right'")
+    xp = _array_module(prompt_BxP, prompt_lens_B)
     P = prompt_BxP.shape[1]
-    col_P = jnp.arange(P, dtype=jnp.int32)
+    col_P = xp.arange(P, dtype=np.int32)
     mask_BxP = col_P[None] >= (P - prompt_lens_B)[:, None]
     if padding == "left":
         return prompt_BxP, mask_BxP
-    if padding != "right":
-        raise ValueError(f"padding={padding!r}: expected 'left' or 'right'")
     src_BxP = (col_P[None] - (P - prompt_lens_B)[:, None]) % P
-    return jnp.take_along_axis(prompt_BxP, src_BxP, axis=1), mask_BxP
+    return xp.take_along_axis(prompt_BxP, src_BxP, axis=1), mask_BxP
 
 
 def sample(model, prompt_BxP, prompt_lens_B, params: SamplingParams, *, seed=0,
@@ -60,22 +70,25 @@ def sample(model, prompt_BxP, prompt_lens_B, params: SamplingParams, *, seed=0,
     if P + 1 > max_len:
         raise ValueError(f"prompt width {P} does not fit a cache of max_len={max_len} "
                          f"(need max_len >= prompt width + 1)")
-    tok_BxP, mask_BxP = align_right(jnp.asarray(prompt_BxP, jnp.int32),
-                                    jnp.asarray(prompt_lens_B, jnp.int32), padding)
+    xp = _array_module(prompt_BxP, prompt_lens_B)
+    tok_BxP, mask_BxP = align_right(xp.asarray(prompt_BxP, np.int32),
+                                    xp.asarray(prompt_lens_B, np.int32), padding)
     state = engine.init_state(model, B, max_len, seed, row_ids_B=row_ids_B,
                               think_budget_B=think_budget_B, window=params.stop_seqs_QxM.shape[1],
                               cache_dtype=cache_dtype)
     if mesh is not None:
         state = engine.shard_state(state, mesh)
-    state = engine.extend(model, state, tok_BxP, mask_BxP, start_turn_B=jnp.ones((B,), bool),
-                          max_new_B=jnp.broadcast_to(jnp.asarray(max_new_B, jnp.int32), (B,)),
+    state = engine.extend(model, state, tok_BxP, mask_BxP, start_turn_B=np.ones((B,), bool),
+                          max_new_B=np.array(np.broadcast_to(np.asarray(max_new_B, np.int32),
+                                                             (B,))),
                           think_ids_2=params.think_ids_2)
     return resume(model, state, params, max_steps)
 
 
 def resume(model, state, params: SamplingParams, max_steps=ALL_STEPS):
     """Continue paused rows for at most `max_steps` decode steps; (RolloutBatch, state)."""
-    state = engine.decode(model, state, params, jnp.asarray(max_steps, jnp.int32))
+    state = engine.decode(model, state, params,
+                          _array_module(max_steps).asarray(max_steps, np.int32))
     return engine.pack(state), state
 
 

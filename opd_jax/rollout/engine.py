@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 from jax import lax
 
@@ -93,26 +94,41 @@ class RolloutBatch:
     finish_reason_B: jax.Array
 
 
+def host_key(seed: int) -> jax.Array:
+    """`jax.random.key(seed)` without a compile: the default threefry key of an int32 seed is
+    the words [0, seed mod 2^32], wrapped from the host (other seeds and PRNG impls take
+    jax.random.key). Equality with jax.random.key: tests/rollout/test_engine.py."""
+    if (isinstance(seed, (int, np.integer)) and -2**31 <= int(seed) < 2**31
+            and jax.config.jax_default_prng_impl == "threefry2x32"):
+        return jax.random.wrap_key_data(jax.device_put(
+            np.array([0, int(seed) % 2**32], np.uint32)), impl="threefry2x32")
+    return jax.random.key(seed)
+
+
 def init_state(model, batch: int, max_len: int, seed: int = 0, *, row_ids_B=None,
                think_budget_B=None, window: int = 8, cache_dtype=None) -> RolloutState:
-    """An empty state: no tokens, cache index 0."""
+    """An empty state: no tokens, cache index 0.
+
+    The per-row fields are built on the host and put on the device (one transfer each, no
+    program to compile: jnp.zeros, arange and broadcasts would each compile a small program
+    on a process's first call, about 0.3 s of a 19M model's first `generate` on CPU,
+    benchmarks/results/rollout_cpu.txt). Every field is its own buffer: decode and extend
+    donate the state."""
     B, S = batch, max_len
-    # distinct buffers per field: decode/extend donate the state
-    z_B = lambda: jnp.zeros((B,), jnp.int32)
-    f_B = lambda: jnp.zeros((B,), bool)
     budget = NO_BUDGET if think_budget_B is None else think_budget_B
-    return RolloutState(
-        cache=model.init_cache(B, S, cache_dtype),
-        tokens_BxS=jnp.zeros((B, S), jnp.int32), present_BxS=jnp.zeros((B, S), bool),
-        sampled_BxS=jnp.zeros((B, S), bool), forced_BxS=jnp.zeros((B, S), bool),
-        logp_BxS=jnp.zeros((B, S), jnp.float32), pending_B=z_B(), pending_valid_B=f_B(),
-        pos_B=z_B(), active_B=f_B(), finish_B=z_B(), gen_B=z_B(), max_new_B=z_B(),
-        in_think_B=f_B(), think_count_B=z_B(),
-        think_budget_B=jnp.array(jnp.broadcast_to(jnp.asarray(budget, jnp.int32), (B,))),
-        window_BxM=jnp.full((B, window), _NO_MATCH, jnp.int32),
-        row_id_B=jnp.arange(B, dtype=jnp.int32) if row_ids_B is None
-        else jnp.asarray(row_ids_B, jnp.int32),
-        key=jax.random.key(seed))
+    rows = np.arange(B) if row_ids_B is None else row_ids_B
+    host = dict(
+        tokens_BxS=np.zeros((B, S), np.int32), present_BxS=np.zeros((B, S), bool),
+        sampled_BxS=np.zeros((B, S), bool), forced_BxS=np.zeros((B, S), bool),
+        logp_BxS=np.zeros((B, S), np.float32),
+        **{k: np.zeros((B,), np.int32) for k in ("pending_B", "pos_B", "finish_B", "gen_B",
+                                                  "max_new_B", "think_count_B")},
+        **{k: np.zeros((B,), bool) for k in ("pending_valid_B", "active_B", "in_think_B")},
+        think_budget_B=np.array(np.broadcast_to(np.asarray(budget, np.int32), (B,))),
+        window_BxM=np.full((B, window), _NO_MATCH, np.int32),
+        row_id_B=np.array(np.broadcast_to(np.asarray(rows, np.int32), (B,))))
+    return RolloutState(cache=model.init_cache(B, S, cache_dtype), key=host_key(seed),
+                        **jax.device_put(host))
 
 
 def shard_state(state: RolloutState, mesh, rules=None) -> RolloutState:

@@ -78,9 +78,10 @@ class SamplingParams:
         for i, s in enumerate(seqs):
             seqs_QxM[i, M - len(s):] = s
             lens_Q[i] = len(s)
-        return cls(jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p),
-                   jnp.asarray(ids_N), jnp.asarray(seqs_QxM), jnp.asarray(lens_Q),
-                   jnp.asarray(np.asarray(think_ids, np.int32).reshape(2)))
+        # device_put, not jnp.asarray: that compiles a small program per shape on a
+        # process's first call
+        return cls(*jax.device_put((temp, top_k, top_p, ids_N, seqs_QxM, lens_Q,
+                                    np.asarray(think_ids, np.int32).reshape(2))))
 
 
 def _filter_sorted(logits_BxV, top_k_B, top_p_B):

@@ -79,6 +79,27 @@ def test_changing_knobs_does_not_recompile(model):
     assert c.count == 0, f"{c.count} compiles"
 
 
+def test_first_call_compiles_only_the_engine_programs(model):
+    """A first generate on a new shape compiles the engine's four programs (the empty
+    cache, extend, decode, pack) and nothing else: its host-side set-up (the state, the
+    sampling tables, the prompts' alignment, the PRNG key) runs no eager device op, each of
+    which would compile a small program on a process's first call."""
+    with CompileCounter() as c:
+        generate(model, [[1, 2, 3]] * 5, max_new_tokens=4, max_len=72, seed=7,
+                 temperature=0.8, stop_token_ids=[2])
+    assert c.count == 4, f"{c.count} compiles"
+
+
+@pytest.mark.parametrize("seed", [0, 5, -1, 2**31 - 1, -2**31])
+def test_host_key_equals_jax_random_key(seed):
+    from opd_jax.rollout.engine import host_key
+    assert jax.random.key_impl(host_key(seed)) == jax.random.key_impl(jax.random.key(seed))
+    np.testing.assert_array_equal(jax.random.key_data(host_key(seed)),
+                                  jax.random.key_data(jax.random.key(seed)))
+    np.testing.assert_array_equal(jax.random.uniform(host_key(seed), (3,)),
+                                  jax.random.uniform(jax.random.key(seed), (3,)))
+
+
 def test_stop_ids_strings_and_per_row_limits(model, tok):
     base = run(model, seed=2)
     stop = base.tokens[0][4]
