@@ -49,14 +49,17 @@ def toy_rows(path: str) -> list[dict]:
         frac = _find(r"= (\d+)% of the measured bandwidth", block, "bandwidth share", path)
         hf = _find(r"ratio ours / transformers: " + NUM + "x", block, "transformers ratio", path)
         tunix = re.search(r"ours / tunix: " + NUM + "x", block)
-        comp = _find(r"compile \(first call minus a warm call\): " + NUM + r" s; compiles on a "
-                     r"call with new [^:]+: (\d+)", block, "compile line", path)
+        # the median over fresh processes when the file has it (a process compiles once)
+        comp = _find(r"compile \(first call minus a warm call\): " + NUM + r" s(?: in this "
+                     r"process)?(?:; \d+ fresh processes: median " + NUM + r" s \([^)]*\))?; "
+                     r"compiles on a call with new [^:]+: (\d+)", block, "compile line", path)
         rows.append(dict(head, model="19M Qwen3-shaped (4 layers, vocab 32k)",
                          batch=int(setting.group(1)), mode=mode, ours=float(ours.group(1)),
                          hf=float(hf.group(1)),
                          tunix=float(tunix.group(1)) if tunix else None,
                          bound=f"weights read at {frac.group(1)}% of bandwidth",
-                         compile=float(comp.group(1)), recompiles=int(comp.group(2)),
+                         compile=float(comp.group(2) or comp.group(1)),
+                         recompiles=int(comp.group(3)),
                          load=f"{load.group(1)} / {load.group(2)}"))
     return rows
 
