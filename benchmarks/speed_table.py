@@ -77,7 +77,8 @@ def real_rows(path: str) -> list[dict]:
                      r"bound, (\d+)% of the FLOP bound", block, "our rate", path)
         hf = _find(r"ratio ours / transformers " + NUM + "x", block, "transformers ratio",
                    path)
-        comp = _find(r"compile " + NUM + r" s; compiles on a call with new [^:]+: (\d+)",
+        # signed: a mode whose program the previous mode compiled can time below zero
+        comp = _find(r"compile (-?[0-9.]+) s; compiles on a call with new [^:]+: (\d+)",
                      block, "compile line", path)
         B = int(m.group(1))
         bound = (f"{ours.group(2)}% of weight-read bound" if B == 1
