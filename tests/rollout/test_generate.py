@@ -84,9 +84,16 @@ def test_first_call_compiles_only_the_engine_programs(model):
     cache, extend, decode, pack) and nothing else: its host-side set-up (the state, the
     sampling tables, the prompts' alignment, the PRNG key) runs no eager device op, each of
     which would compile a small program on a process's first call."""
-    with CompileCounter() as c:
-        generate(model, [[1, 2, 3]] * 5, max_new_tokens=4, max_len=72, seed=7,
-                 temperature=0.8, stop_token_ids=[2])
+    # a persistent compilation cache (turned on in this process by any in-process CLI test)
+    # would serve a program without a compile event: off for this call
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        with CompileCounter() as c:
+            generate(model, [[1, 2, 3]] * 5, max_new_tokens=4, max_len=72, seed=7,
+                     temperature=0.8, stop_token_ids=[2])
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
     assert c.count == 4, f"{c.count} compiles"
 
 
