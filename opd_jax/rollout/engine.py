@@ -97,7 +97,7 @@ class RolloutBatch:
 def host_key(seed: int) -> jax.Array:
     """`jax.random.key(seed)` without a compile: the default threefry key of an int32 seed is
     the words [0, seed mod 2^32], wrapped from the host (other seeds and PRNG impls take
-    jax.random.key). Equality with jax.random.key: tests/rollout/test_engine.py."""
+    jax.random.key). Equality with jax.random.key: tests/rollout/test_generate.py."""
     if (isinstance(seed, (int, np.integer)) and -2**31 <= int(seed) < 2**31
             and jax.config.jax_default_prng_impl == "threefry2x32"):
         return jax.random.wrap_key_data(jax.device_put(
@@ -111,7 +111,7 @@ def init_state(model, batch: int, max_len: int, seed: int = 0, *, row_ids_B=None
 
     The per-row fields are built on the host and put on the device (one transfer each, no
     program to compile: jnp.zeros, arange and broadcasts would each compile a small program
-    on a process's first call, about 0.3 s of a 19M model's first `generate` on CPU,
+    on a process's first call, about 0.4-0.5 s of a 19M model's first `generate` on CPU,
     benchmarks/results/rollout_cpu.txt). Every field is its own buffer: decode and extend
     donate the state."""
     B, S = batch, max_len
