@@ -34,7 +34,9 @@ seed is evaluated on its own draw of held-out problems (``c.eval.seed + seed``),
 standard errors count problems. Claims, each paired per problem and pooled over seeds:
 
 * PRECONDITION: the start has headroom on every teacher cell and every teacher gained;
-  when it fails, the claims below print as not judged, with the numbers;
+  the cells where it fails are left out of the per-cell claims below, which are judged on
+  the others and name the cells left out; when it fails on every cell, they print as not
+  judged, with the numbers;
 * every teacher beats the start on its cell by >= GAIN beyond 3 se;
 * each domain's specialist (its max-effort teacher) loses >= LOSS on the other domain;
 * effort binds in pass rate for teachers and student: max - high and high - low >= EFFORT_GAP;
@@ -385,15 +387,18 @@ def table(per_seed: list[dict], names: list[str], domains: dict, efforts, top: s
 # -- claims ----------------------------------------------------------------------------------
 def precondition(results: dict) -> dict:
     """The start has headroom on every teacher cell (pass rate < HEADROOM) and every teacher
-    gained on its cell (beyond 2 se): without both, no claim below says anything about OPD."""
+    gained on its cell (beyond 2 se): without both, no claim below says anything about OPD
+    on that cell. ``left_out`` (only when some fail): the cells that fail it."""
     t = results["table"]
     start = {cell: v["start"] for cell, v in t["pass"].items()}
     gain = {cell: v["teacher"] for cell, v in t["vs_start"].items()}
     full = [cell for cell, p in start.items() if p >= HEADROOM]
     flat = [cell for cell, g in gain.items() if not rp.beats(g, 0.0, 2.0)]
+    left = [cell for cell in start if cell in full or cell in flat]
     return {"claim": f"PRECONDITION: the start has headroom on every teacher cell (pass rate "
                      f"< {HEADROOM:.2f}) and every teacher gained on its cell (beyond 2 se)",
             "pass": not full and not flat,
+            **({"left_out": left} if left else {}),
             "measured": "start " + ", ".join(f"{k} {v:.3f}" for k, v in start.items())
                         + "; teacher - start " + rp.paired_list(gain)
                         + (f"; no headroom: {full}" if full else "")
@@ -401,36 +406,54 @@ def precondition(results: dict) -> dict:
 
 
 def claims(results: dict) -> list[dict]:
-    """The recipe's claims, from a results.json dict alone (module doc)."""
+    """The recipe's claims, from a results.json dict alone (module doc).
+
+    A cell the precondition leaves out (no headroom, or a teacher that did not gain) is left
+    out of every per-cell claim below, which is judged on the other cells and says which were
+    left out (``scope``); the competition claim (start against the other domain's specialist)
+    does not read the teachers' gains and keeps every cell. When every cell is left out,
+    nothing is judged."""
     t = results["table"]
     pre = precondition(results)
     out = [pre]
+    left_out = pre.get("left_out", [])
+    cells = [c for c in t["pass"] if c not in left_out]
+    nothing = not cells     # then every claim prints its numbers, not judged
+    cells = cells or list(t["pass"])
+    keep = lambda d: {c: v for c, v in d.items() if c in cells}      # noqa: E731
     gain = {cell: v["teacher"] for cell, v in t["vs_start"].items()}
     out.append({"claim": f"every teacher beats the start on its cell by >= {GAIN} pass rate "
                          f"beyond {GAIN_K:g} se",
-                "pass": all(rp.beats(g, GAIN, GAIN_K) for g in gain.values()),
+                "pass": all(rp.beats(g, GAIN, GAIN_K) for g in keep(gain).values()),
                 "measured": rp.paired_list(gain)})
     comp = t["competition"]
     out.append({"claim": f"each specialist loses >= {LOSS} pass rate on the other domain "
                          f"beyond {LOSS_K:g} se (start - specialist, at {results['top']} "
                          f"effort): the domains compete",
                 "pass": bool(comp) and all(rp.beats(p, LOSS, LOSS_K) for p in comp.values()),
-                "measured": rp.paired_list(comp)})
+                "measured": rp.paired_list(comp), "every_cell": True})
     for who in ("teacher", "student"):
-        eff = {f"{k.split(' ', 1)[1]} {gap}": p for k, v in t["effort"].items()
-               if k.startswith(who + " ") for gap, p in v.items()}
+        eff, judged = {}, []
+        for k, v in t["effort"].items():
+            if not k.startswith(who + " "):
+                continue
+            domain = k.split(" ", 1)[1]
+            for gap, p in v.items():        # "max-high": both ends must be judged cells
+                eff[f"{domain} {gap}"] = p
+                if all(f"{domain}/{e}" in cells for e in gap.split("-")):
+                    judged.append(p)
         out.append({"claim": f"effort binds in pass rate ({who}s): every gap down the ladder "
                              f"(max - high, high - low) >= {EFFORT_GAP}",
-                    "pass": all(p["diff"] >= EFFORT_GAP for p in eff.values()),
+                    "pass": all(p["diff"] >= EFFORT_GAP for p in judged),
                     "measured": rp.paired_list(eff)})
     ret = t["retention"]
-    finite = {k: v for k, v in ret.items() if np.isfinite(v)}
+    finite = {k: v for k, v in keep(ret).items() if np.isfinite(v)}
     mean = float(np.mean(list(finite.values()))) if finite else float("nan")
     worst = min(finite, key=finite.get) if finite else None
     out.append({"claim": f"the student keeps the teachers' gains: (student - start) / (teacher "
                          f"- start) >= {RETENTION_MEAN} on average and >= {RETENTION_WORST} on "
                          f"every cell",
-                "pass": len(finite) == len(ret) and mean >= RETENTION_MEAN
+                "pass": len(finite) == len(keep(ret)) and mean >= RETENTION_MEAN
                         and finite[worst] >= RETENTION_WORST,
                 "measured": f"mean {mean:.1%}; " + ", ".join(f"{k} {v:.1%}"
                                                              for k, v in ret.items())})
@@ -438,23 +461,31 @@ def claims(results: dict) -> list[dict]:
     scales = sorted({s["merge_chosen"] for s in results["per_seed"]})
     out.append({"claim": f"the student beats the validation-tuned merge on every cell beyond "
                          f"{MERGE_K:g} se",
-                "pass": all(rp.beats(p, 0.0, MERGE_K) for p in vm.values()),
+                "pass": all(rp.beats(p, 0.0, MERGE_K) for p in keep(vm).values()),
                 "measured": rp.paired_list(vm) + f"; chosen on validation: {', '.join(scales)}"})
     if "student_vs_mixed" in t:
-        out.append(mixed_claim(results))
+        out.append(mixed_claim(results, cells))
     if "student_vs_sampled" in t:
-        out.append(sampled_claim(results))
+        out.append(sampled_claim(results, cells))
     if "curves" in results["per_seed"][0]:      # results from before 2026-12-07 lack curves
-        out.append(compute_claim(results))
-    if not pre["pass"]:
+        out.append(compute_claim(results, cells))
+    if nothing:
         for cl in out[1:]:
             cl["judged"] = False
+    elif left_out:
+        scope = (f"{len(cells)} of {len(t['pass'])} cells; {', '.join(left_out)} left "
+                 f"out by the precondition")
+        for cl in out[1:]:
+            if not cl.pop("every_cell", False):
+                cl["scope"] = scope
+    for cl in out:
+        cl.pop("every_cell", None)
     return out
 
 
-def mixed_claim(results: dict) -> dict:
-    """The student against the mixed-data baseline, per cell, with what each cost: the
-    baseline's stages against the specialists' (their SFT and GRPO rungs) and the
+def mixed_claim(results: dict, cells) -> dict:
+    """The student against the mixed-data baseline, judged on ``cells``, with what each cost:
+    the baseline's stages against the specialists' (their SFT and GRPO rungs) and the
     student's, FLOPs summed over seeds."""
     vm = results["table"]["student_vs_mixed"]
     flops = {}
@@ -469,7 +500,7 @@ def mixed_claim(results: dict) -> dict:
     return {"claim": f"the student beats the mixed-data baseline (SFT then GRPO of one model "
                      f"on every domain's data, no specialists) on every cell beyond "
                      f"{MERGE_K:g} se",
-            "pass": all(rp.beats(p, 0.0, MERGE_K) for p in vm.values()),
+            "pass": all(rp.beats(vm[c], 0.0, MERGE_K) for c in cells),
             "measured": rp.paired_list(vm) + f"; FLOPs: mixed {mixed:.2e}, specialists and "
                         f"student {ours:.2e} (ratio {rp.ratio(mixed, ours):.2f})"}
 
@@ -478,14 +509,14 @@ def _mean_flops(results: dict, stage: str) -> float:
     return float(np.mean([s["stages"][stage]["flops"] for s in results["per_seed"]]))
 
 
-def sampled_claim(results: dict) -> dict:
+def sampled_claim(results: dict, cells) -> dict:
     """The student against the sampled-token student from the same point (module doc, 5):
-    better on every cell beyond 2 se, with no more compute (FLOPs within 10%)."""
+    better on every cell of ``cells`` beyond 2 se, with no more compute (FLOPs within 10%)."""
     vs = results["table"]["student_vs_sampled"]
     ours, theirs = _mean_flops(results, "student"), _mean_flops(results, SAMPLED)
     return {"claim": f"the student beats the sampled-token student (same start, rollouts and "
                      f"optimizer steps; FLOPs at most 1.1x) on every cell beyond {MERGE_K:g} se",
-            "pass": all(rp.beats(p, 0.0, MERGE_K) for p in vs.values()) and ours <= 1.1 * theirs,
+            "pass": all(rp.beats(vs[c], 0.0, MERGE_K) for c in cells) and ours <= 1.1 * theirs,
             "measured": rp.paired_list(vs) + f"; FLOPs per seed: student {ours:.2e}, "
                         f"sampled-token {theirs:.2e} (ratio {rp.ratio(ours, theirs):.2f})"}
 
@@ -514,9 +545,9 @@ def speed_rows(results: dict) -> dict[str, dict]:
     return out
 
 
-def compute_claim(results: dict) -> dict:
-    """OPD's cheapness in compute (module doc): on every cell the student holds SPEED_SHARE
-    of the teacher's gain within 1 / SPEED_RATIO of the teacher's path FLOPs."""
+def compute_claim(results: dict, cells) -> dict:
+    """OPD's cheapness in compute (module doc): on every cell of ``cells`` the student holds
+    SPEED_SHARE of the teacher's gain within 1 / SPEED_RATIO of the teacher's path FLOPs."""
     rows = speed_rows(results)
 
     def said(cell, r):
@@ -528,8 +559,8 @@ def compute_claim(results: dict) -> dict:
     return {"claim": f"the student holds {SPEED_SHARE:.0%} of each teacher's gain having spent "
                      f"<= 1/{SPEED_RATIO:g} of the FLOPs of that teacher's path from the start "
                      f"(in-run held-out evaluations, mean over seeds)",
-            "pass": all(r["ratio"] is not None and r["ratio"] <= 1 / SPEED_RATIO
-                        for r in rows.values()),
+            "pass": all(rows[c]["ratio"] is not None and rows[c]["ratio"] <= 1 / SPEED_RATIO
+                        for c in cells),
             "measured": "; ".join(said(cell, r) for cell, r in rows.items())}
 
 

@@ -244,10 +244,12 @@ def claim_lines(claims: Sequence[dict]) -> list[str]:
 
 def verdict(claim: dict) -> str:
     """PASS, FAIL, or NOT JUDGED for a claim a failed precondition leaves without meaning
-    (``"judged": False``; its numbers are still printed)."""
+    (``"judged": False``; its numbers are still printed); a claim judged on part of its
+    cells (``"scope"``) says on which."""
     if not claim.get("judged", True):
         return "NOT JUDGED (precondition failed)"
-    return "PASS" if claim["pass"] else "FAIL"
+    word = "PASS" if claim["pass"] else "FAIL"
+    return f"{word} on {claim['scope']}" if claim.get("scope") else word
 
 
 def write_json(path: str, obj) -> None:

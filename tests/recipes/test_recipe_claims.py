@@ -82,7 +82,7 @@ def _kimi_results(start=(0.05, 0.2, 0.4), gain=0.3, kept=0.95, merge_kept=0.3,
                   other_loss=0.2, seeds=(0, 1), mixed_kept=None, sampled_kept=None,
                   reached_at="absent"):
     """A kimi_k3 results dict (two domains x low/high/max) through the report's own
-    `table`: start pass rates per effort, the teachers' gain, the share of it the student
+    `table`: start pass rates per effort (or a dict of them per domain), the teachers' gain, the share of it the student
     and the merge keep, and each specialist's loss on the other domain (at max).
     sampled_kept: a sampled-token student keeping that share; reached_at: the student's
     in-run curves (iterations 10, 20, 30 of 30) first reach 95% of every gain at that
@@ -91,7 +91,8 @@ def _kimi_results(start=(0.05, 0.2, 0.4), gain=0.3, kept=0.95, merge_kept=0.3,
     kimi = recipe_module("kimi_k3")
     domains, efforts = {"general": "chain", "coding": "code_trace"}, ["low", "high", "max"]
     cells = [f"{d}/{e}" for d in domains for e in efforts]
-    base = {f"{d}/{e}": start[i] for d in domains for i, e in enumerate(efforts)}
+    per_domain = start if isinstance(start, dict) else {d: start for d in domains}
+    base = {f"{d}/{e}": per_domain[d][i] for d in domains for i, e in enumerate(efforts)}
     per_seed = []
     for seed in seeds:
         shares = [("start", 0.0), ("student", kept), ("merge", merge_kept)]
@@ -157,6 +158,32 @@ def test_kimi_claims_read_pass_rate_gains_and_the_precondition():
     # A start with no headroom fails the precondition too.
     _, full = _kimi_results(start=(0.7, 0.8, 0.9), gain=0.05)
     assert "no headroom" in kimi.claims(full)[0]["measured"]
+
+
+def test_kimi_claims_leave_out_the_cells_without_headroom():
+    """A start that saturates coding above low effort (0.88 / 0.9 at high / max, as tool_chain
+    does in kimi_k3 full): the precondition FAILs and names those two cells; every per-cell
+    claim is judged on the other four and says so, the competition claim on every cell."""
+    kimi, res = _kimi_results(start={"general": (0.05, 0.2, 0.4), "coding": (0.3, 0.88, 0.9)},
+                              mixed_kept=0.6, reached_at=10)
+    cl = kimi.claims(res)
+    assert not cl[0]["pass"] and cl[0]["left_out"] == ["coding/high", "coding/max"]
+    # On all six cells the coding effort gaps (teacher max - high 0.0) and the gains on the
+    # saturated cells (+0.12 / +0.10 < 0.15) would fail; on the four judged cells all pass.
+    assert [c["pass"] for c in cl] == [False] + [True] * 8, cl
+    assert all(c.get("judged", True) for c in cl)
+    scope = "4 of 6 cells; coding/high, coding/max left out by the precondition"
+    assert [c.get("scope") for c in cl] == [None, scope, None, *[scope] * 6]
+    lines = rp.claim_lines(cl)
+    assert lines[1].startswith(f"- **PASS on {scope}** every teacher beats the start")
+    assert lines[2].startswith("- **PASS** each specialist loses")
+    assert "coding/max" in cl[1]["measured"]          # the numbers still name every cell
+    # A judged cell that fails still fails the claim: a weak student on every cell.
+    _, weak = _kimi_results(start={"general": (0.05, 0.2, 0.4), "coding": (0.3, 0.88, 0.9)},
+                            kept=0.5)
+    ret = kimi.claims(weak)[5]
+    assert "keeps the teachers' gains" in ret["claim"] and not ret["pass"]
+    assert rp.verdict(ret) == f"FAIL on {scope}"
 
 
 def test_kimi_mixed_data_baseline_claim_and_its_compute(tmp_path):
