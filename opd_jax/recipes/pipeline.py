@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
 
@@ -184,6 +185,26 @@ def resolved_config(stage: Stage, workdir: str) -> ml_collections.ConfigDict:
     return cfg
 
 
+# The source checkout (git) whose commit results record (`code_commit`).
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def code_commit() -> str:
+    """The short commit of the code a result was measured with; "-dirty" when the package,
+    the studies, the notebooks or the experiment configs differ from it, new files included
+    (uncommitted changes that could move results)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
+                              capture_output=True, text=True).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all", "--", "opd_jax", "studies",
+             "notebooks/*.ipynb", "experiments/*/config.py"],
+            cwd=REPO, check=True, capture_output=True, text=True).stdout.strip()
+        return head + "-dirty" if changed else head
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def run_stage(stage: Stage, workdir: str, *, progress: bool = True) -> dict:
     """Run (or resume, or skip if done) one stage; returns its done.json record."""
     if is_done(workdir, stage.name):
@@ -205,7 +226,7 @@ def run_stage(stage: Stage, workdir: str, *, progress: bool = True) -> dict:
         else:
             record = _merge(stage, cfg, workdir, out_dir)
     record |= {"stage": stage.name, "kind": stage.kind, "wall_s": round(time.time() - t0, 1),
-               **clock.record(), "identity": stage_identity(stage),
+               "commit": code_commit(), **clock.record(), "identity": stage_identity(stage),
                "compute": compute.read(out_dir)}
     tmp = os.path.join(out_dir, "done.json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:

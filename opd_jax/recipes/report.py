@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import time
 from collections.abc import Sequence
 
@@ -32,13 +31,11 @@ from opd_jax import envs
 from opd_jax.episodes import SamplingConfig
 from opd_jax.models import ModelRef
 from opd_jax.plotting.recipes import plot_bars, plot_curves  # noqa: F401  (rp.plot_*)
-from opd_jax.recipes.pipeline import Stage, read_done, stage_dir
+from opd_jax.recipes.pipeline import Stage, code_commit, read_done, stage_dir
 from opd_jax.trainers import compute as compute_lib
 from opd_jax.trainers.evaluate import evaluate_tasks, heldout_tasks
 from opd_jax.trainers.metrics import read_metrics
 
-# The source checkout (git) whose commit results record (`code_commit`).
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def report(recipe, c, workdir: str, seeds: Sequence[int], tokenizer) -> dict:
@@ -48,17 +45,25 @@ def report(recipe, c, workdir: str, seeds: Sequence[int], tokenizer) -> dict:
     Every model is evaluated greedily on the same held-out problems (the eval split, drawn
     by ``c.eval.seed``), so differences are paired per problem; the claims are computed by
     ``recipe.claims`` from what goes into results.json."""
-    t0 = time.time()
+    t0, before = time.time(), dict(EVAL_TALLY)
     seeds = list(seeds)
     results = recipe.collect(c, workdir, seeds, tokenizer)
     stage_names = [s.name for s in recipe.build(c, seeds[0]) if s.kind != "merge"]
     results["claims"] = recipe.claims(results)
+    cached_s = EVAL_TALLY["cached_s"] - before["cached_s"]
+    untimed = EVAL_TALLY["untimed"] - before["untimed"]
     results["provenance"] = (provenance(workdir, seeds, stage_names)
-                             | {"eval_wall_s": round(time.time() - t0, 1)})
+                             | {"eval_wall_s": round(time.time() - t0 + cached_s, 1)}
+                             | ({"eval_untimed": untimed} if untimed else {}))
     write_json(os.path.join(workdir, "results.json"), results)
     recipe.write_markdown(os.path.join(workdir, "results.md"), results)
     recipe.plot(c, workdir, results)
     return results
+
+
+# Evaluations read from the cache by this process: their recorded seconds, and how many were
+# cached before evaluations recorded their time (`report` counts both into the provenance).
+EVAL_TALLY = {"cached_s": 0.0, "untimed": 0}
 
 
 def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]], ev, *,
@@ -82,7 +87,13 @@ def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]
     path_out = os.path.join(stage_dir(workdir, name), f"eval_{tag}.json")
     if os.path.isfile(path_out):
         with open(path_out, encoding="utf-8") as f:
-            return json.load(f)
+            out = json.load(f)
+        if all("eval_s" in r for r in out.values()):
+            EVAL_TALLY["cached_s"] += sum(r["eval_s"] for r in out.values())
+        else:           # cached before evaluations recorded their time
+            EVAL_TALLY["untimed"] += 1
+        return out
+    t0 = time.time()
     tasks: list[envs.Task] = []
     for domain, fam, effort in cells:
         tasks += heldout_tasks({domain: fam}, (effort,), n=n, seed=seed,
@@ -90,7 +101,8 @@ def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]
     model = ModelRef(path or stage_dir(workdir, name)).load()
     rows = evaluate_tasks(model, tokenizer, tasks, SamplingConfig(**dict(ev.sampling)),
                           seed=seed, batch_size=ev.batch_size)
-    out = {r["cell"]: r for r in rows}
+    wall = (time.time() - t0) / max(len(rows), 1)
+    out = {r["cell"]: r | {"eval_s": round(wall, 2)} for r in rows}
     os.makedirs(os.path.dirname(path_out), exist_ok=True)
     write_json(path_out, out)
     return out
@@ -179,22 +191,6 @@ def cost_table(costs: dict[str, dict]) -> str:
                            "rollout / teacher / extra forward / train FLOPs"], rows)
 
 
-def code_commit() -> str:
-    """The short commit of the code a result was measured with; "-dirty" when the package,
-    the studies, the notebooks or the experiment configs differ from it, new files included
-    (uncommitted changes that could move results)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
-                              capture_output=True, text=True).stdout.strip()
-        changed = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=all", "--", "opd_jax", "studies",
-             "notebooks/*.ipynb", "experiments/*/config.py"],
-            cwd=REPO, check=True, capture_output=True, text=True).stdout.strip()
-        return head + "-dirty" if changed else head
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_provenance(workdir: str, command: str) -> None:
     """Record the command and commit of an experiment invocation (`provenance`)."""
     write_json(os.path.join(workdir, "provenance.json"), {"command": command,
@@ -204,22 +200,31 @@ def write_provenance(workdir: str, command: str) -> None:
 def provenance(workdir: str, seeds: Sequence[int], stage_names: Sequence[str]) -> dict:
     """Command, commit and wall time of an experiment: the last invocation's command and
     commit (``provenance.json``, written by `run_experiment`) and the summed wall seconds of
-    its stages over seeds (each stage's ``done.json``: a resumed run counts each stage once)."""
+    its stages over seeds (each stage's ``done.json``: a resumed run counts each stage once);
+    ``stage_commits`` when the stages recorded commits other than the invocation's."""
     path = os.path.join(workdir, "provenance.json")
     meta = {"command": "unknown", "commit": "unknown"}
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             meta |= json.load(f)
-    wall = sum(read_done(os.path.join(workdir, f"seed{s}"), n).get("wall_s", 0.0)
-               for s in seeds for n in stage_names)
-    return meta | {"stages_wall_s": round(float(wall), 1)}
+    done = [read_done(os.path.join(workdir, f"seed{s}"), n) for s in seeds for n in stage_names]
+    wall = sum(d.get("wall_s", 0.0) for d in done)
+    commits = sorted({d["commit"] for d in done if "commit" in d})
+    return meta | {"stages_wall_s": round(float(wall), 1)} | (
+        {"stage_commits": commits} if commits and commits != [meta["commit"]] else {})
 
 
 def provenance_line(meta: dict) -> str:
     """The results.md line of a `provenance` dict (with the report's ``eval_wall_s``)."""
-    return (f"Command `{meta['command']}`; commit {meta['commit']}; stages "
+    line = (f"Command `{meta['command']}`; commit {meta['commit']}; stages "
             f"{meta['stages_wall_s']:.0f} s + evaluation {meta['eval_wall_s']:.0f} s of wall "
             f"time (summed over seeds).")
+    if meta.get("stage_commits"):
+        line += f" The stages ran at commit {', '.join(meta['stage_commits'])}."
+    if meta.get("eval_untimed"):
+        line += (f" {meta['eval_untimed']} evaluations were read from an earlier invocation's "
+                 f"cache that did not record their time; they are not in the evaluation time.")
+    return line
 
 
 def eval_meta(ev) -> dict:

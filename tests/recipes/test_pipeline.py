@@ -2,6 +2,7 @@
 finished stages are skipped, tables and plots are written."""
 import json
 import os
+import time
 import warnings
 
 import ml_collections
@@ -318,3 +319,32 @@ def test_a_cached_evaluation_is_reused_only_for_the_same_problems_and_sampling(t
     assert calls == [3, 5, 5]
     ask(ev, n=3, seed=1)
     assert calls == [3, 5, 5, 3]
+
+
+def test_cached_evaluations_keep_their_time_and_the_provenance_says_what_it_counts(
+        tmp_path, monkeypatch):
+    """A fresh evaluation stores its seconds in its rows; a later read from the cache adds
+    them to the report's evaluation time, and a cache from before (no seconds) is counted
+    apart and named in the provenance line, as are stage commits other than the report's."""
+    import ml_collections
+    monkeypatch.setattr(rp, "evaluate_tasks", lambda *a, **k: (
+        time.sleep(0.05), [{"cell": "general/max", "passes": [1.0]}])[1])
+    monkeypatch.setattr(rp, "ModelRef", lambda path: type("M", (), {"load": lambda self: None})())
+    ev = ml_collections.ConfigDict(dict(seed=0, n=1, batch_size=4,
+                                        sampling=dict(temperature=0.0, max_new_tokens=8)))
+    cells = [("general", "chain", "max")]
+    row = rp.evaluate_stage(str(tmp_path), "student", cells, ev, tokenizer=None,
+                            difficulty=1)["general/max"]
+    assert row["eval_s"] >= 0.05
+    before = dict(rp.EVAL_TALLY)
+    rp.evaluate_stage(str(tmp_path), "student", cells, ev, tokenizer=None, difficulty=1)
+    assert rp.EVAL_TALLY["cached_s"] - before["cached_s"] == pytest.approx(row["eval_s"])
+    old = next((tmp_path / "student").glob("eval_*.json"))
+    old.write_text(json.dumps({"general/max": {"cell": "general/max", "passes": [1.0]}}))
+    rp.evaluate_stage(str(tmp_path), "student", cells, ev, tokenizer=None, difficulty=1)
+    assert rp.EVAL_TALLY["untimed"] - before["untimed"] == 1
+    meta = {"command": "c", "commit": "abc", "stages_wall_s": 10.0, "eval_wall_s": 2.0}
+    assert rp.provenance_line(meta).endswith("of wall time (summed over seeds).")
+    line = rp.provenance_line(meta | {"stage_commits": ["2971f25"], "eval_untimed": 3})
+    assert "The stages ran at commit 2971f25." in line
+    assert "3 evaluations were read from an earlier invocation's cache" in line

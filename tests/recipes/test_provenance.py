@@ -1,7 +1,7 @@
 """The commit recorded with every result says when the code differed from it."""
 import subprocess
 
-from opd_jax.recipes import report
+from opd_jax.recipes import pipeline, report
 
 
 def _git(repo, *args):
@@ -16,7 +16,7 @@ def test_commit_is_marked_dirty_only_for_code_and_config_changes(tmp_path, monke
     _git(tmp_path, "init", "-q")
     _git(tmp_path, "add", "-A")
     _git(tmp_path, "commit", "-qm", "c")
-    monkeypatch.setattr(report, "REPO", str(tmp_path))
+    monkeypatch.setattr(pipeline, "REPO", str(tmp_path))
     head = report.code_commit()
     assert len(head) >= 7 and not head.endswith("-dirty")
     (tmp_path / "README.md").write_text("doc, edited\n")          # docs do not move results
@@ -35,5 +35,5 @@ def test_commit_is_marked_dirty_only_for_code_and_config_changes(tmp_path, monke
     (tmp_path / "notebooks").mkdir()                              # a notebook that writes results
     (tmp_path / "notebooks" / "n.ipynb").write_text("{}\n")
     assert report.code_commit() == head + "-dirty"
-    monkeypatch.setattr(report, "REPO", str(tmp_path / "not_a_repo"))
+    monkeypatch.setattr(pipeline, "REPO", str(tmp_path / "not_a_repo"))
     assert report.code_commit() == "unknown"
