@@ -455,8 +455,9 @@ def claims(results: dict) -> list[dict]:
                          f"every cell",
                 "pass": len(finite) == len(keep(ret)) and mean >= RETENTION_MEAN
                         and finite[worst] >= RETENTION_WORST,
-                "measured": f"mean {mean:.1%}; " + ", ".join(f"{k} {v:.1%}"
-                                                             for k, v in ret.items())})
+                "measured": f"mean {mean:.1%}"
+                            + (f" over the {len(finite)} judged cells" if left_out else "")
+                            + "; " + ", ".join(f"{k} {v:.1%}" for k, v in ret.items())})
     vm = t["student_vs_merge"]
     scales = sorted({s["merge_chosen"] for s in results["per_seed"]})
     out.append({"claim": f"the student beats the validation-tuned merge on every cell beyond "

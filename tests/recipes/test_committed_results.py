@@ -11,8 +11,9 @@ from studies import student_sweep
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# (recipe, results folder, seeds): every committed results table (reduced presets)
+# (recipe, results folder, seeds): every committed results table
 COMMITTED = [("kimi_k3", "results", [0, 1, 2]), ("kimi_k3", "mixed_reduced", [0, 1, 2]),
+             ("kimi_k3", "full", [0, 1, 2]),
              ("glm", "results", [0, 1, 2]),
              ("deepseek_v4", "results", [0, 1, 2]), ("real_smollm2", "results", [0])]
 
