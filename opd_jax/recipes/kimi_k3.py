@@ -427,11 +427,12 @@ def claims(results: dict) -> list[dict]:
                 "pass": all(rp.beats(g, GAIN, GAIN_K) for g in keep(gain).values()),
                 "measured": rp.paired_list(gain)})
     comp = t["competition"]
-    out.append({"claim": f"each specialist loses >= {LOSS} pass rate on the other domain "
-                         f"beyond {LOSS_K:g} se (start - specialist, at {results['top']} "
-                         f"effort): the domains compete",
-                "pass": bool(comp) and all(rp.beats(p, LOSS, LOSS_K) for p in comp.values()),
-                "measured": rp.paired_list(comp), "every_cell": True})
+    competition = {"claim": f"each specialist loses >= {LOSS} pass rate on the other domain "
+                            f"beyond {LOSS_K:g} se (start - specialist, at {results['top']} "
+                            f"effort): the domains compete",
+                   "pass": bool(comp) and all(rp.beats(p, LOSS, LOSS_K) for p in comp.values()),
+                   "measured": rp.paired_list(comp)}
+    out.append(competition)
     for who in ("teacher", "student"):
         eff, judged = {}, []
         for k, v in t["effort"].items():
@@ -477,10 +478,8 @@ def claims(results: dict) -> list[dict]:
         scope = (f"{len(cells)} of {len(t['pass'])} cells; {', '.join(left_out)} left "
                  f"out by the precondition")
         for cl in out[1:]:
-            if not cl.pop("every_cell", False):
+            if cl is not competition:       # it reads every cell
                 cl["scope"] = scope
-    for cl in out:
-        cl.pop("every_cell", None)
     return out
 
 

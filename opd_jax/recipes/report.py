@@ -37,7 +37,6 @@ from opd_jax.trainers.evaluate import evaluate_tasks, heldout_tasks
 from opd_jax.trainers.metrics import read_metrics
 
 
-
 def report(recipe, c, workdir: str, seeds: Sequence[int], tokenizer) -> dict:
     """Evaluate every seed's stages and write results.json, results.md and the plots of
     `recipe` (a recipe module: the protocol above); returns the results dict.
@@ -45,6 +44,7 @@ def report(recipe, c, workdir: str, seeds: Sequence[int], tokenizer) -> dict:
     Every model is evaluated greedily on the same held-out problems (the eval split, drawn
     by ``c.eval.seed``), so differences are paired per problem; the claims are computed by
     ``recipe.claims`` from what goes into results.json."""
+    EVAL_TALLY["read"].clear()
     t0, before = time.time(), dict(EVAL_TALLY)
     seeds = list(seeds)
     results = recipe.collect(c, workdir, seeds, tokenizer)
@@ -62,8 +62,10 @@ def report(recipe, c, workdir: str, seeds: Sequence[int], tokenizer) -> dict:
 
 
 # Evaluations read from the cache by this process: their recorded seconds, and how many were
-# cached before evaluations recorded their time (`report` counts both into the provenance).
-EVAL_TALLY = {"cached_s": 0.0, "untimed": 0}
+# cached before evaluations recorded their time (`report` counts both into the provenance);
+# "read": the files counted since the report began (a file read twice counts once, and one
+# written in the report's own time not at all).
+EVAL_TALLY = {"cached_s": 0.0, "untimed": 0, "read": set()}
 
 
 def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]], ev, *,
@@ -88,10 +90,13 @@ def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]
     if os.path.isfile(path_out):
         with open(path_out, encoding="utf-8") as f:
             out = json.load(f)
-        if all("eval_s" in r for r in out.values()):
+        if path_out in EVAL_TALLY["read"]:
+            pass
+        elif all("eval_s" in r for r in out.values()):
             EVAL_TALLY["cached_s"] += sum(r["eval_s"] for r in out.values())
         else:           # cached before evaluations recorded their time
             EVAL_TALLY["untimed"] += 1
+        EVAL_TALLY["read"].add(path_out)
         return out
     t0 = time.time()
     tasks: list[envs.Task] = []
@@ -105,6 +110,7 @@ def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]
     out = {r["cell"]: r | {"eval_s": round(wall, 2)} for r in rows}
     os.makedirs(os.path.dirname(path_out), exist_ok=True)
     write_json(path_out, out)
+    EVAL_TALLY["read"].add(path_out)        # its time is in this report's own
     return out
 
 

@@ -323,9 +323,10 @@ def test_a_cached_evaluation_is_reused_only_for_the_same_problems_and_sampling(t
 
 def test_cached_evaluations_keep_their_time_and_the_provenance_says_what_it_counts(
         tmp_path, monkeypatch):
-    """A fresh evaluation stores its seconds in its rows; a later read from the cache adds
-    them to the report's evaluation time, and a cache from before (no seconds) is counted
-    apart and named in the provenance line, as are stage commits other than the report's."""
+    """A fresh evaluation stores its seconds in its rows; a later report's read from the
+    cache adds them to its evaluation time once, and a cache from before (no seconds) is
+    counted apart and named in the provenance line, as are stage commits other than the
+    report's."""
     import ml_collections
     monkeypatch.setattr(rp, "evaluate_tasks", lambda *a, **k: (
         time.sleep(0.05), [{"cell": "general/max", "passes": [1.0]}])[1])
@@ -337,11 +338,18 @@ def test_cached_evaluations_keep_their_time_and_the_provenance_says_what_it_coun
                             difficulty=1)["general/max"]
     assert row["eval_s"] >= 0.05
     before = dict(rp.EVAL_TALLY)
-    rp.evaluate_stage(str(tmp_path), "student", cells, ev, tokenizer=None, difficulty=1)
+    ask = lambda: rp.evaluate_stage(str(tmp_path), "student", cells, ev, tokenizer=None,  # noqa: E731
+                                    difficulty=1)
+    ask()       # in the same report as its fresh evaluation: its time is counted already
+    assert rp.EVAL_TALLY["cached_s"] == before["cached_s"]
+    rp.EVAL_TALLY["read"].clear()          # a new report (as `report` does on entry)
+    ask()
+    ask()       # read twice, counted once
     assert rp.EVAL_TALLY["cached_s"] - before["cached_s"] == pytest.approx(row["eval_s"])
     old = next((tmp_path / "student").glob("eval_*.json"))
     old.write_text(json.dumps({"general/max": {"cell": "general/max", "passes": [1.0]}}))
-    rp.evaluate_stage(str(tmp_path), "student", cells, ev, tokenizer=None, difficulty=1)
+    rp.EVAL_TALLY["read"].clear()
+    ask()
     assert rp.EVAL_TALLY["untimed"] - before["untimed"] == 1
     meta = {"command": "c", "commit": "abc", "stages_wall_s": 10.0, "eval_wall_s": 2.0}
     assert rp.provenance_line(meta).endswith("of wall time (summed over seeds).")
