@@ -44,16 +44,15 @@ def report(recipe, c, workdir: str, seeds: Sequence[int], tokenizer) -> dict:
     Every model is evaluated greedily on the same held-out problems (the eval split, drawn
     by ``c.eval.seed``), so differences are paired per problem; the claims are computed by
     ``recipe.claims`` from what goes into results.json."""
-    EVAL_TALLY["read"].clear()
-    t0, before = time.time(), dict(EVAL_TALLY)
+    EVAL_SECONDS.clear()
     seeds = list(seeds)
     results = recipe.collect(c, workdir, seeds, tokenizer)
     stage_names = [s.name for s in recipe.build(c, seeds[0]) if s.kind != "merge"]
     results["claims"] = recipe.claims(results)
-    cached_s = EVAL_TALLY["cached_s"] - before["cached_s"]
-    untimed = EVAL_TALLY["untimed"] - before["untimed"]
+    timed = [t for t in EVAL_SECONDS.values() if t is not None]
+    untimed = len(EVAL_SECONDS) - len(timed)
     results["provenance"] = (provenance(workdir, seeds, stage_names)
-                             | {"eval_wall_s": round(time.time() - t0 + cached_s, 1)}
+                             | {"eval_wall_s": round(sum(timed), 1)}
                              | ({"eval_untimed": untimed} if untimed else {}))
     write_json(os.path.join(workdir, "results.json"), results)
     recipe.write_markdown(os.path.join(workdir, "results.md"), results)
@@ -61,11 +60,9 @@ def report(recipe, c, workdir: str, seeds: Sequence[int], tokenizer) -> dict:
     return results
 
 
-# Evaluations read from the cache by this process: their recorded seconds, and how many were
-# cached before evaluations recorded their time (`report` counts both into the provenance);
-# "read": the files counted since the report began (a file read twice counts once, and one
-# written in the report's own time not at all).
-EVAL_TALLY = {"cached_s": 0.0, "untimed": 0, "read": set()}
+# The evaluations a report used, fresh or cached: file -> its seconds (None: cached before
+# evaluations recorded their time). `report` clears it and sums it into the provenance.
+EVAL_SECONDS: dict[str, float | None] = {}
 
 
 def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]], ev, *,
@@ -90,13 +87,7 @@ def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]
     if os.path.isfile(path_out):
         with open(path_out, encoding="utf-8") as f:
             out = json.load(f)
-        if path_out in EVAL_TALLY["read"]:
-            pass
-        elif all("eval_s" in r for r in out.values()):
-            EVAL_TALLY["cached_s"] += sum(r["eval_s"] for r in out.values())
-        else:           # cached before evaluations recorded their time
-            EVAL_TALLY["untimed"] += 1
-        EVAL_TALLY["read"].add(path_out)
+        EVAL_SECONDS[path_out] = _seconds(out)
         return out
     t0 = time.time()
     tasks: list[envs.Task] = []
@@ -110,8 +101,15 @@ def evaluate_stage(workdir: str, name: str, cells: Sequence[tuple[str, str, str]
     out = {r["cell"]: r | {"eval_s": round(wall, 2)} for r in rows}
     os.makedirs(os.path.dirname(path_out), exist_ok=True)
     write_json(path_out, out)
-    EVAL_TALLY["read"].add(path_out)        # its time is in this report's own
+    EVAL_SECONDS[path_out] = _seconds(out)
     return out
+
+
+def _seconds(rows: dict) -> float | None:
+    """An evaluation's seconds from its rows (None when it predates ``eval_s``)."""
+    if all("eval_s" in r for r in rows.values()):
+        return sum(r["eval_s"] for r in rows.values())
+    return None
 
 
 def ratio(num: float, den: float) -> float:

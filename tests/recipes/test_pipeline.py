@@ -337,20 +337,18 @@ def test_cached_evaluations_keep_their_time_and_the_provenance_says_what_it_coun
     row = rp.evaluate_stage(str(tmp_path), "student", cells, ev, tokenizer=None,
                             difficulty=1)["general/max"]
     assert row["eval_s"] >= 0.05
-    before = dict(rp.EVAL_TALLY)
+    path = str(next((tmp_path / "student").glob("eval_*.json")))
+    assert rp.EVAL_SECONDS[path] == pytest.approx(row["eval_s"])
+    rp.EVAL_SECONDS.clear()                 # a new report (as `report` does on entry)
     ask = lambda: rp.evaluate_stage(str(tmp_path), "student", cells, ev, tokenizer=None,  # noqa: E731
                                     difficulty=1)
-    ask()       # in the same report as its fresh evaluation: its time is counted already
-    assert rp.EVAL_TALLY["cached_s"] == before["cached_s"]
-    rp.EVAL_TALLY["read"].clear()          # a new report (as `report` does on entry)
     ask()
     ask()       # read twice, counted once
-    assert rp.EVAL_TALLY["cached_s"] - before["cached_s"] == pytest.approx(row["eval_s"])
-    old = next((tmp_path / "student").glob("eval_*.json"))
-    old.write_text(json.dumps({"general/max": {"cell": "general/max", "passes": [1.0]}}))
-    rp.EVAL_TALLY["read"].clear()
+    assert rp.EVAL_SECONDS == {path: pytest.approx(row["eval_s"])}
+    with open(path, "w") as f:              # a cache from before evaluations kept their time
+        json.dump({"general/max": {"cell": "general/max", "passes": [1.0]}}, f)
     ask()
-    assert rp.EVAL_TALLY["untimed"] - before["untimed"] == 1
+    assert rp.EVAL_SECONDS == {path: None}
     meta = {"command": "c", "commit": "abc", "stages_wall_s": 10.0, "eval_wall_s": 2.0}
     assert rp.provenance_line(meta).endswith("of wall time (summed over seeds).")
     line = rp.provenance_line(meta | {"stage_commits": ["2971f25"], "eval_untimed": 3})
